@@ -1,0 +1,99 @@
+"""One engine factory per dialect (conventions: habit 5).
+
+SQLite: WAL so readers never block the writer; ``synchronous=FULL`` because an ingest
+acknowledgement promises the record survives a power loss, not just a process crash;
+``busy_timeout`` so a second process waits for the write lock instead of failing; foreign keys
+on (SQLite leaves them off by default); writes open with ``BEGIN IMMEDIATE`` so two writers
+serialise at BEGIN instead of deadlocking on a lock upgrade mid-transaction.
+
+Postgres: READ COMMITTED, with every write taking the rollout row's lock (``SELECT … FOR
+UPDATE``) first; ``lock_timeout`` and ``statement_timeout`` bound how long a stuck peer can hold
+a worker.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from sqlalchemy import event
+from sqlalchemy.engine import URL, Connection, make_url
+from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+__all__ = ["DEFAULT_DB_URL", "READ_ONLY", "is_sqlite", "make_engine", "normalize_url"]
+
+DEFAULT_DB_URL = "sqlite+aiosqlite:///rollout-ledger.db"
+READ_ONLY = "ledger_read_only"
+SQLITE_BUSY_TIMEOUT_MS = int(os.environ.get("ROLLOUT_LEDGER_SQLITE_BUSY_TIMEOUT_MS", "60000"))
+PG_LOCK_TIMEOUT_MS = int(os.environ.get("ROLLOUT_LEDGER_PG_LOCK_TIMEOUT_MS", "30000"))
+PG_STATEMENT_TIMEOUT_MS = int(os.environ.get("ROLLOUT_LEDGER_PG_STATEMENT_TIMEOUT_MS", "120000"))
+
+
+def normalize_url(url: str | URL) -> URL:
+    """Accept ``sqlite:///…``/``postgresql://…`` and pick the async driver for them."""
+    u = make_url(url) if isinstance(url, str) else url
+    if u.drivername in ("sqlite", "sqlite+pysqlite"):
+        u = u.set(drivername="sqlite+aiosqlite")
+    elif u.drivername in ("postgresql", "postgres", "postgresql+psycopg2", "postgresql+psycopg"):
+        u = u.set(drivername="postgresql+asyncpg")
+    if u.drivername not in ("sqlite+aiosqlite", "postgresql+asyncpg"):
+        raise ValueError(
+            f"unsupported database URL {u.render_as_string(hide_password=True)!r}: use "
+            "sqlite+aiosqlite:///PATH or postgresql+asyncpg://USER@HOST/DB"
+        )
+    return u
+
+
+def is_sqlite(url: str | URL) -> bool:
+    return normalize_url(url).get_backend_name() == "sqlite"
+
+
+def make_engine(url: str | URL, **kwargs: Any) -> AsyncEngine:
+    u = normalize_url(url)
+    if u.get_backend_name() == "sqlite":
+        return _sqlite_engine(u, **kwargs)
+    return _postgres_engine(u, **kwargs)
+
+
+def _sqlite_engine(url: URL, **kwargs: Any) -> AsyncEngine:
+    if url.database in (None, "", ":memory:"):
+        raise ValueError("the ledger needs a SQLite file, not an in-memory database")
+    engine = create_async_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}, **kwargs)
+
+    @event.listens_for(engine.sync_engine, "connect")
+    def _on_connect(dbapi_conn: Any, _record: Any) -> None:
+        # Take transaction control away from the driver so BEGIN is ours to emit.
+        dbapi_conn.isolation_level = None
+        cur = dbapi_conn.cursor()
+        cur.execute("PRAGMA journal_mode=WAL")
+        cur.execute("PRAGMA synchronous=FULL")
+        cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        cur.execute("PRAGMA foreign_keys=ON")
+        cur.close()
+
+    @event.listens_for(engine.sync_engine, "begin")
+    def _on_begin(conn: Connection) -> None:
+        if conn.get_execution_options().get(READ_ONLY):
+            conn.exec_driver_sql("BEGIN")
+        else:
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+    return engine
+
+
+def _postgres_engine(url: URL, **kwargs: Any) -> AsyncEngine:
+    settings = {
+        "lock_timeout": str(PG_LOCK_TIMEOUT_MS),
+        "statement_timeout": str(PG_STATEMENT_TIMEOUT_MS),
+        "application_name": "rollout-ledger",
+    }
+    if "poolclass" not in kwargs:
+        kwargs.setdefault("pool_size", 10)
+        kwargs.setdefault("max_overflow", 20)
+    kwargs.setdefault("pool_pre_ping", True)
+    return create_async_engine(
+        url,
+        isolation_level="READ COMMITTED",
+        connect_args={"server_settings": settings},
+        **kwargs,
+    )

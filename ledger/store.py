@@ -1,0 +1,1060 @@
+"""The ledger's transactional operations: the only module that writes SQL.
+
+Every operation touches exactly one rollout and runs in one transaction that first takes that
+rollout's lock (``SELECT … FOR UPDATE`` on Postgres; ``BEGIN IMMEDIATE`` on SQLite), so state
+checks and the writes that depend on them cannot interleave with another writer.  Each public
+method's docstring states the promise it keeps (design §4); refusals raise ``ledger.errors``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import uuid
+from collections.abc import AsyncIterator, Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.engine import Row
+from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from ledger import codec
+from ledger.engine import READ_ONLY, make_engine
+from ledger.errors import (
+    InvalidInput,
+    InvalidRecord,
+    LedgerError,
+    NotFound,
+    PayloadConflict,
+    RolloutFrozen,
+    RolloutRetired,
+    Unavailable,
+)
+from ledger.ids import validate_call_id, validate_rollout_id
+from ledger.model import CallView, ChainLinkTokens, Quarantine
+from ledger.records import TokenEntry, coerce_entry, payload_digest
+from ledger.tables import (
+    Call,
+    CallTokens,
+    Delivery,
+    IncompleteEvent,
+    LineageEdge,
+    QuarantineRow,
+    Rollout,
+    utcnow,
+)
+
+__all__ = [
+    "FrozenSnapshot",
+    "Ledger",
+    "LineageResolution",
+    "PutResult",
+    "RolloutState",
+    "SnapshotViews",
+]
+
+R = Rollout.__table__
+C = Call.__table__
+T = CallTokens.__table__
+E = LineageEdge.__table__
+Q = QuarantineRow.__table__
+IE = IncompleteEvent.__table__
+D = Delivery.__table__
+
+_REASON_RE = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
+# Arrays above this many tokens are packed and hashed in a worker thread (keeps the loop free).
+_OFFLOAD_TOKENS = 20_000
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutState:
+    rollout_id: str
+    state: str
+    incomplete: bool
+    snapshot_id: str | None
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class PutResult:
+    """``status`` is ``created`` or ``duplicate`` (a byte-identical repeat: nothing changed)."""
+
+    status: str
+    version: int
+    parent_call_id: str | None = None
+    prompt_is_delta: bool = False
+    edge_method: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class LineageResolution:
+    """The lineage store's answer for a candidate prompt (seed: lineage store).
+
+    ``status``: ``root`` (no captured call's tokens prefix the prompt), ``resolved`` (the proven
+    parent and its exact cumulative tokens), ``unresolved`` (the ledger cannot decide; ``reason``).
+    """
+
+    status: str
+    model_call_id: str | None = None
+    cumulative_token_ids: list[int] | None = None
+    digest: str | None = None
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class FrozenSnapshot:
+    """NeMo Gym's ``TokenCaptureSnapshot``: full-prompt entries from one consistent read."""
+
+    rollout_id: str
+    entries: tuple[TokenEntry, ...]
+    incomplete: bool
+    snapshot_id: str
+    version: int
+
+
+@dataclass(frozen=True, slots=True)
+class SnapshotViews:
+    """A frozen snapshot for the builder: call metadata and edges, no token arrays."""
+
+    rollout_id: str
+    calls: tuple[CallView, ...]
+    n_calls: int
+    incomplete: bool
+    snapshot_id: str
+    version: int
+    incomplete_reasons: tuple[str, ...] = ()
+
+
+@dataclass(slots=True)
+class _Prepared:
+    entry: TokenEntry
+    prompt: bytes
+    generation: bytes
+    lp_codec: str
+    log_probs: bytes
+    digest: str
+    prompt_digest: str
+    cumulative_digest: str
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def _prepare(entry: TokenEntry) -> _Prepared:
+    """Pack and hash a record (pure CPU; may run in a worker thread)."""
+    prompt = codec.pack_ids(entry.prompt_token_ids)
+    generation = codec.pack_ids(entry.generation_token_ids)
+    lp_codec, log_probs = codec.pack_log_probs(entry.generation_log_probs)
+    return _Prepared(
+        entry=entry,
+        prompt=prompt,
+        generation=generation,
+        lp_codec=lp_codec,
+        log_probs=log_probs,
+        digest=payload_digest(entry, prompt, generation),
+        prompt_digest=codec.token_digest(prompt),
+        cumulative_digest=codec.token_digest(prompt + generation),
+        extra=entry.extra_fields(),
+    )
+
+
+def _validate_reason(reason: str) -> str:
+    if not isinstance(reason, str) or not _REASON_RE.match(reason):
+        raise InvalidInput(
+            f"reason must be a short snake_case word (a-z, 0-9, _; at most 64); got {reason!r}"
+        )
+    return reason
+
+
+def _first_mismatch(a: bytes, b: bytes) -> int:
+    """Index of the first differing token between two packed sequences (or the shorter length)."""
+    n = min(len(a), len(b)) // 4
+    lo, hi = 0, n
+    # Binary search on equal prefixes: bytes comparison of slices is C-fast.
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[: mid * 4] == b[: mid * 4]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+class Ledger:
+    """The SQL ledger over one database (a SQLite file or a Postgres database)."""
+
+    def __init__(self, url: str, *, delta_records: bool = True, engine: AsyncEngine | None = None):
+        self.engine = engine or make_engine(url)
+        self.url = url
+        self.delta_records = delta_records
+        self.dialect = self.engine.dialect.name
+
+    async def close(self) -> None:
+        await self.engine.dispose()
+
+    # ----------------------------------------------------------------- transactions
+
+    @contextlib.asynccontextmanager
+    async def _translate(self) -> AsyncIterator[None]:
+        """Translate driver errors into the ledger's tree, once."""
+        try:
+            yield
+        except LedgerError:
+            raise
+        except IntegrityError as exc:
+            raise InvalidInput(f"the database refused the write: {exc.orig}") from exc
+        except (OperationalError, DBAPIError, OSError, ConnectionError) as exc:
+            raise Unavailable(f"ledger database unavailable: {exc}") from exc
+        except Exception as exc:
+            # asyncpg raises its own connection errors outside SQLAlchemy's wrapping on connect.
+            if type(exc).__module__.startswith("asyncpg"):
+                raise Unavailable(f"ledger database unavailable: {exc}") from exc
+            raise
+
+    @contextlib.asynccontextmanager
+    async def _write(self) -> AsyncIterator[AsyncConnection]:
+        async with self._translate(), self.engine.begin() as conn:
+            yield conn
+
+    @contextlib.asynccontextmanager
+    async def _read(self) -> AsyncIterator[AsyncConnection]:
+        async with self._translate(), self.engine.connect() as conn:
+            conn = await conn.execution_options(**{READ_ONLY: True})
+            async with conn.begin():
+                yield conn
+
+    def _insert(self, table: sa.Table) -> Any:
+        return (postgresql.insert if self.dialect == "postgresql" else sqlite.insert)(table)
+
+    async def _lock_rollout(self, conn: AsyncConnection, rollout_id: str) -> RolloutState:
+        """Create the rollout row if needed and lock it for the rest of the transaction."""
+        await conn.execute(
+            self._insert(R)
+            .values(rollout_id=rollout_id, state="open", incomplete=False, version=0)
+            .on_conflict_do_nothing(index_elements=["rollout_id"])
+        )
+        row = (
+            await conn.execute(
+                sa.select(R.c.state, R.c.incomplete, R.c.snapshot_id, R.c.version)
+                .where(R.c.rollout_id == rollout_id)
+                .with_for_update()
+            )
+        ).one()
+        return RolloutState(rollout_id, row.state, row.incomplete, row.snapshot_id, row.version)
+
+    async def _bump(self, conn: AsyncConnection, rollout_id: str, **values: Any) -> int:
+        row = (
+            await conn.execute(
+                R.update()
+                .where(R.c.rollout_id == rollout_id)
+                .values(version=R.c.version + 1, updated_at=utcnow(), **values)
+                .returning(R.c.version)
+            )
+        ).one()
+        return int(row.version)
+
+    async def _add_incomplete(
+        self, conn: AsyncConnection, rollout_id: str, call_id: str, reason: str, detail: str
+    ) -> int:
+        await conn.execute(
+            IE.insert().values(
+                rollout_id=rollout_id, model_call_id=call_id, reason=reason, detail=detail[:4000]
+            )
+        )
+        return await self._bump(conn, rollout_id, incomplete=True)
+
+    @staticmethod
+    def _refuse_if_closed(state: RolloutState, what: str) -> None:
+        if state.state == "retired":
+            raise RolloutRetired(
+                f"token capture for rollout {state.rollout_id} is retired; {what} refused",
+                rollout_id=state.rollout_id,
+            )
+        if state.state == "frozen":
+            raise RolloutFrozen(
+                f"token capture for rollout {state.rollout_id} is already frozen; {what} refused",
+                rollout_id=state.rollout_id,
+            )
+
+    # ----------------------------------------------------------------- ingest
+
+    async def begin_call(
+        self, rollout_id: str, model_call_id: str, *, route: str | None = None, model: str = ""
+    ) -> None:
+        """Durably record a pre-dispatch intent (§4.6); refused after freeze or retire."""
+        validate_rollout_id(rollout_id)
+        validate_call_id(model_call_id)
+        async with self._write() as conn:
+            state = await self._lock_rollout(conn, rollout_id)
+            self._refuse_if_closed(state, "begin_call")
+            await conn.execute(
+                self._insert(C)
+                .values(
+                    rollout_id=rollout_id,
+                    model_call_id=model_call_id,
+                    status="intent",
+                    route=route,
+                    model=model or "",
+                )
+                .on_conflict_do_nothing(index_elements=["rollout_id", "model_call_id"])
+            )
+
+    async def cancel_call(self, rollout_id: str, model_call_id: str) -> bool:
+        """Close an intent for a call that ended without generating; True if one was open."""
+        validate_rollout_id(rollout_id)
+        validate_call_id(model_call_id)
+        async with self._write() as conn:
+            state = await self._lock_rollout(conn, rollout_id)
+            self._refuse_if_closed(state, "cancel_call")
+            res = await conn.execute(
+                C.update()
+                .where(
+                    C.c.rollout_id == rollout_id,
+                    C.c.model_call_id == model_call_id,
+                    C.c.status == "intent",
+                )
+                .values(status="cancelled")
+            )
+            return bool(res.rowcount)
+
+    async def put(
+        self,
+        entry: TokenEntry | dict[str, Any],
+        *,
+        route: str | None = None,
+        request_fingerprint: str = "",
+        continuation_fingerprint: str = "",
+    ) -> PutResult:
+        """Commit one call record with its proven lineage edge before returning (§4.1–§4.3).
+
+        A byte-identical repeat is a no-op; the same call id with other bytes is refused, marks
+        the rollout incomplete and leaves the first record unchanged; a new record after freeze
+        or anything after retire is refused.
+        """
+        entry = coerce_entry(entry)
+        n_tokens = len(entry.prompt_token_ids) + len(entry.generation_token_ids)
+        if n_tokens > _OFFLOAD_TOKENS:
+            prep = await asyncio.to_thread(_prepare, entry)
+        else:
+            prep = _prepare(entry)
+        rid, cid = entry.rollout_id, entry.model_call_id
+        conflict: PayloadConflict | None = None
+        async with self._write() as conn:
+            state = await self._lock_rollout(conn, rid)
+            existing = (
+                await conn.execute(
+                    sa.select(C.c.id, C.c.status, C.c.payload_digest).where(
+                        C.c.rollout_id == rid, C.c.model_call_id == cid
+                    )
+                )
+            ).one_or_none()
+            if state.state != "retired" and existing is not None and existing.status == "captured":
+                if existing.payload_digest == prep.digest:
+                    return PutResult("duplicate", state.version)
+                if state.state == "open":
+                    detail = f"model call id {cid!r} was reused with a different payload"
+                    await self._add_incomplete(conn, rid, cid, "conflicting_payload", detail)
+                    conflict = PayloadConflict(
+                        f"model call id {cid!r} was reused with a different payload for rollout "
+                        f"{rid!r}; the first record is kept and the rollout is marked incomplete",
+                        rollout_id=rid,
+                    )
+            if conflict is None:
+                self._refuse_if_closed(state, f"record for call {cid!r}")
+                return await self._insert_record(
+                    conn,
+                    prep,
+                    existing.id if existing is not None else None,
+                    route=route,
+                    request_fingerprint=request_fingerprint,
+                    continuation_fingerprint=continuation_fingerprint,
+                )
+        raise conflict
+
+    async def _insert_record(
+        self,
+        conn: AsyncConnection,
+        prep: _Prepared,
+        intent_pk: int | None,
+        *,
+        route: str | None,
+        request_fingerprint: str,
+        continuation_fingerprint: str,
+    ) -> PutResult:
+        e = prep.entry
+        rid = e.rollout_id
+        plen, glen = len(e.prompt_token_ids), len(e.generation_token_ids)
+        parent = await self._prove_parent(conn, rid, prep.prompt, plen)
+        stored_prompt, is_delta = prep.prompt, False
+        if parent is not None and self.delta_records:
+            stored_prompt, is_delta = prep.prompt[parent.cumulative_len * 4 :], True
+        values: dict[str, Any] = {
+            "status": "captured",
+            "model": e.model,
+            "route": route,
+            "response_id": e.response_id,
+            "schema_version": e.schema_version,
+            "payload_digest": prep.digest,
+            "created_at": e.created_at,
+            "recorded_at": utcnow(),
+            "prompt_len": plen,
+            "generation_len": glen,
+            "cumulative_len": plen + glen,
+            "prompt_digest": prep.prompt_digest,
+            "cumulative_digest": prep.cumulative_digest,
+            "parent_call_id": parent.model_call_id if parent else None,
+            "prompt_is_delta": is_delta,
+            "output_items": e.output_items,
+            "token_item_index": e.token_item_index,
+            "extra": prep.extra or None,
+            "request_fingerprint": request_fingerprint or None,
+            "continuation_fingerprint": continuation_fingerprint or None,
+        }
+        if intent_pk is None:
+            pk = (
+                await conn.execute(
+                    C.insert()
+                    .values(rollout_id=rid, model_call_id=e.model_call_id, **values)
+                    .returning(C.c.id)
+                )
+            ).scalar_one()
+        else:
+            pk = intent_pk
+            await conn.execute(C.update().where(C.c.id == pk).values(**values))
+        await conn.execute(
+            T.insert().values(
+                call_id=pk,
+                ids_codec=codec.IDS_TAG,
+                log_prob_codec=prep.lp_codec,
+                prompt_count=len(stored_prompt) // 4,
+                generation_count=glen,
+                prompt_ids=stored_prompt,
+                generation_ids=prep.generation,
+                log_probs=prep.log_probs,
+                routed_experts=e.routed_experts,
+            )
+        )
+        if parent is not None:
+            await conn.execute(
+                E.insert().values(
+                    rollout_id=rid,
+                    child_id=pk,
+                    parent_id=parent.pk,
+                    method=parent.method,
+                    status="verified",
+                    shared_len=parent.cumulative_len,
+                )
+            )
+        await self._diagnose_drift(conn, rid, pk, prep.prompt, parent, request_fingerprint)
+        version = await self._bump(conn, rid)
+        return PutResult(
+            "created",
+            version,
+            parent.model_call_id if parent else None,
+            is_delta,
+            parent.method if parent else None,
+        )
+
+    # ----------------------------------------------------------------- lineage
+
+    async def _candidates(
+        self, conn: AsyncConnection, rollout_id: str, prompt_len: int
+    ) -> Sequence[Row[Any]]:
+        """Captured calls that could be a parent, by length alone (no token arrays read)."""
+        return (
+            await conn.execute(
+                sa.select(
+                    C.c.id,
+                    C.c.model_call_id,
+                    C.c.cumulative_len,
+                    C.c.cumulative_digest,
+                    C.c.generation_len,
+                ).where(
+                    C.c.rollout_id == rollout_id,
+                    C.c.status == "captured",
+                    C.c.cumulative_len <= prompt_len,
+                    # An empty generation's cumulative tokens are its prompt: it would become
+                    # the parent of its own retry.
+                    C.c.generation_len > 0,
+                )
+            )
+        ).all()
+
+    async def _prove_parent(
+        self, conn: AsyncConnection, rollout_id: str, prompt: bytes, prompt_len: int
+    ) -> _Parent | None:
+        """The earlier call whose cumulative tokens are the longest prefix of ``prompt``."""
+        cands = await self._candidates(conn, rollout_id, prompt_len)
+        if not cands:
+            return None
+        digests = codec.prefix_digests(prompt, {c.cumulative_len for c in cands})
+        matches = [c for c in cands if digests.get(c.cumulative_len) == c.cumulative_digest]
+        if not matches:
+            return None
+        best = max(c.cumulative_len for c in matches)
+        tied = sorted((c for c in matches if c.cumulative_len == best), key=lambda c: c.model_call_id)
+        win = tied[0]
+        # Verify the winner's sampled tokens byte-for-byte (the digest covers the rest).
+        gen = (
+            await conn.execute(sa.select(T.c.generation_ids).where(T.c.call_id == win.id))
+        ).scalar_one_or_none()
+        if gen is None or prompt[(best - win.generation_len) * 4 : best * 4] != gen:
+            return None
+        method = "identical_retry" if len(tied) > 1 else "token_prefix"
+        return _Parent(win.id, win.model_call_id, best, method)
+
+    async def _diagnose_drift(
+        self,
+        conn: AsyncConnection,
+        rollout_id: str,
+        child_pk: int,
+        prompt: bytes,
+        parent: _Parent | None,
+        request_fingerprint: str,
+    ) -> None:
+        """Store a drifted edge when the conversation continues a call the tokens do not extend."""
+        if not request_fingerprint:
+            return
+        conv = (
+            await conn.execute(
+                sa.select(C.c.id, C.c.model_call_id, C.c.cumulative_len, C.c.cumulative_digest)
+                .where(
+                    C.c.rollout_id == rollout_id,
+                    C.c.status == "captured",
+                    C.c.continuation_fingerprint == request_fingerprint,
+                    C.c.id != child_pk,
+                )
+                .order_by(C.c.id)
+                .limit(1)
+            )
+        ).one_or_none()
+        if conv is None or (parent is not None and conv.id == parent.pk):
+            return
+        if parent is not None and parent.cumulative_len == conv.cumulative_len:
+            return  # an identical retry of the token parent: same tokens, nothing drifted
+        cumulative = await self._cumulative_bytes(conn, rollout_id, conv.model_call_id)
+        pos = _first_mismatch(prompt, cumulative)
+        kind = "prompt_shorter" if pos * 4 == len(prompt) else "token_mismatch"
+        await conn.execute(
+            E.insert().values(
+                rollout_id=rollout_id,
+                child_id=child_pk,
+                parent_id=conv.id,
+                method="conversation",
+                status="drifted",
+                shared_len=pos,
+                mismatch_pos=pos,
+                mismatch_kind=kind,
+            )
+        )
+
+    def _ancestry_query(self, rollout_id: str, model_call_id: str, *, to_anchor: bool) -> Any:
+        """One recursive query walking verified parents from a call up to the root.
+
+        With ``to_anchor`` the walk stops at the nearest record that stores a full prompt.
+        """
+        base = sa.select(
+            C.c.id, C.c.parent_call_id, C.c.prompt_is_delta, sa.literal(0).label("depth")
+        ).where(C.c.rollout_id == rollout_id, C.c.model_call_id == model_call_id)
+        chain = base.cte("chain", recursive=True)
+        parent = C.alias("p")
+        step = sa.select(
+            parent.c.id, parent.c.parent_call_id, parent.c.prompt_is_delta, chain.c.depth + 1
+        ).where(
+            parent.c.rollout_id == rollout_id,
+            parent.c.model_call_id == chain.c.parent_call_id,
+            chain.c.depth < 1_000_000,
+        )
+        if to_anchor:
+            step = step.where(chain.c.prompt_is_delta)
+        chain = chain.union_all(step)
+        return (
+            sa.select(
+                C.c.model_call_id,
+                C.c.parent_call_id,
+                C.c.prompt_is_delta,
+                C.c.prompt_len,
+                C.c.cumulative_len,
+                C.c.cumulative_digest,
+                C.c.output_items,
+                C.c.token_item_index,
+                T.c.prompt_ids,
+                T.c.generation_ids,
+                T.c.log_probs,
+                T.c.log_prob_codec,
+                T.c.routed_experts,
+            )
+            .select_from(chain.join(C, C.c.id == chain.c.id).join(T, T.c.call_id == C.c.id))
+            .order_by(chain.c.depth.desc())
+        )
+
+    async def _cumulative_bytes(
+        self, conn: AsyncConnection, rollout_id: str, model_call_id: str
+    ) -> bytes:
+        """A call's full prompt+generation, rebuilt from its nearest full record and checked."""
+        rows = (
+            await conn.execute(self._ancestry_query(rollout_id, model_call_id, to_anchor=True))
+        ).all()
+        if not rows or rows[0].prompt_is_delta:
+            raise InvalidRecord(f"call {model_call_id!r} cannot be reconstructed: no full record")
+        buf = bytearray()
+        for r in rows:
+            buf += r.prompt_ids
+            buf += r.generation_ids
+        data = bytes(buf)
+        if codec.token_digest(data) != rows[-1].cumulative_digest:
+            raise InvalidRecord(f"call {model_call_id!r} does not match its cumulative digest")
+        return data
+
+    async def resolve(self, rollout_id: str, prompt_token_ids: Sequence[int]) -> LineageResolution:
+        """The proven parent of a candidate prompt, seeing every committed record; never guesses."""
+        validate_rollout_id(rollout_id)
+        try:
+            prompt = codec.pack_ids(prompt_token_ids)
+        except InvalidRecord as exc:
+            return LineageResolution("unresolved", reason=f"invalid_prompt: {exc}")
+        async with self._read() as conn:
+            state = (
+                await conn.execute(sa.select(R.c.state).where(R.c.rollout_id == rollout_id))
+            ).scalar_one_or_none()
+            if state == "retired":
+                return LineageResolution("unresolved", reason="rollout_retired")
+            parent = await self._prove_parent(conn, rollout_id, prompt, len(prompt) // 4)
+            if parent is None:
+                return LineageResolution("root", reason="no_match")
+            try:
+                cumulative = await self._cumulative_bytes(conn, rollout_id, parent.model_call_id)
+            except InvalidRecord as exc:
+                return LineageResolution("unresolved", reason=f"reconstruction_failed: {exc}")
+        return LineageResolution(
+            "resolved",
+            parent.model_call_id,
+            codec.unpack_ids(cumulative),
+            codec.token_digest(cumulative),
+        )
+
+    # ----------------------------------------------------------------- incomplete / freeze
+
+    async def mark_incomplete(
+        self, rollout_id: str, model_call_id: str = "", *, reason: str, detail: str = ""
+    ) -> int:
+        """Durably mark the rollout incomplete (allowed after freeze; bumps the version)."""
+        validate_rollout_id(rollout_id)
+        if model_call_id:
+            validate_call_id(model_call_id)
+        _validate_reason(reason)
+        async with self._write() as conn:
+            state = await self._lock_rollout(conn, rollout_id)
+            if state.state == "retired":
+                raise RolloutRetired(
+                    f"token capture for rollout {rollout_id} is retired; mark_incomplete refused",
+                    rollout_id=rollout_id,
+                )
+            return await self._add_incomplete(conn, rollout_id, model_call_id, reason, detail)
+
+    async def _freeze_in(self, conn: AsyncConnection, rollout_id: str) -> RolloutState:
+        state = await self._lock_rollout(conn, rollout_id)
+        if state.state == "retired":
+            raise RolloutRetired(
+                f"token capture for rollout {rollout_id} is retired; freeze refused",
+                rollout_id=rollout_id,
+            )
+        if state.state == "frozen":
+            return state
+        dangling = (
+            await conn.execute(
+                sa.select(C.c.model_call_id).where(
+                    C.c.rollout_id == rollout_id, C.c.status == "intent"
+                )
+            )
+        ).scalars().all()
+        for cid in dangling:
+            await conn.execute(
+                IE.insert().values(
+                    rollout_id=rollout_id,
+                    model_call_id=cid,
+                    reason="dangling_intent",
+                    detail="call was registered before dispatch but has no record at freeze",
+                )
+            )
+        snapshot_id = uuid.uuid4().hex
+        version = await self._bump(
+            conn,
+            rollout_id,
+            state="frozen",
+            snapshot_id=snapshot_id,
+            frozen_at=utcnow(),
+            incomplete=state.incomplete or bool(dangling),
+        )
+        return RolloutState(
+            rollout_id, "frozen", state.incomplete or bool(dangling), snapshot_id, version
+        )
+
+    async def freeze_state(self, rollout_id: str) -> RolloutState:
+        """Freeze (idempotent) and return only the snapshot identity."""
+        validate_rollout_id(rollout_id)
+        async with self._write() as conn:
+            return await self._freeze_in(conn, rollout_id)
+
+    async def freeze(self, rollout_id: str) -> FrozenSnapshot:
+        """Freeze and return full-prompt entries, incomplete flag, snapshot id and version from
+        one consistent read (§4.4).  Unknown rollouts freeze empty (and stay frozen)."""
+        validate_rollout_id(rollout_id)
+        async with self._write() as conn:
+            state = await self._freeze_in(conn, rollout_id)
+            rows = (
+                await conn.execute(
+                    sa.select(C, T)
+                    .join(T, T.c.call_id == C.c.id)
+                    .where(C.c.rollout_id == rollout_id, C.c.status == "captured")
+                    .order_by(C.c.id)
+                )
+            ).all()
+            entries, broken = _entries_from_rows(rows)
+            state = await self._record_broken(conn, state, broken)
+        return FrozenSnapshot(
+            rollout_id, tuple(entries), state.incomplete, state.snapshot_id or "", state.version
+        )
+
+    async def _record_broken(
+        self, conn: AsyncConnection, state: RolloutState, broken: Sequence[tuple[str, str]]
+    ) -> RolloutState:
+        """Mark unreconstructable delta chains incomplete once (a later freeze finds them noted)."""
+        if not broken:
+            return state
+        known = set(
+            (
+                await conn.execute(
+                    sa.select(IE.c.model_call_id).where(
+                        IE.c.rollout_id == state.rollout_id,
+                        IE.c.reason == "delta_chain_unreconstructable",
+                    )
+                )
+            ).scalars()
+        )
+        version = state.version
+        for cid, detail in broken:
+            if cid not in known:
+                version = await self._add_incomplete(
+                    conn, state.rollout_id, cid, "delta_chain_unreconstructable", detail
+                )
+        return RolloutState(state.rollout_id, state.state, True, state.snapshot_id, version)
+
+    async def freeze_views(self, rollout_id: str) -> SnapshotViews:
+        """Freeze and return call metadata and proven edges (no token arrays) in one read."""
+        validate_rollout_id(rollout_id)
+        async with self._write() as conn:
+            state = await self._freeze_in(conn, rollout_id)
+            calls = (
+                await conn.execute(
+                    sa.select(C)
+                    .where(C.c.rollout_id == rollout_id, C.c.status == "captured")
+                    .order_by(C.c.id)
+                )
+            ).all()
+            edges = (
+                await conn.execute(
+                    sa.select(E.c.child_id, E.c.parent_id, E.c.method, E.c.status, E.c.shared_len)
+                    .where(E.c.rollout_id == rollout_id)
+                    .order_by(E.c.id)
+                )
+            ).all()
+            reasons = (
+                await conn.execute(
+                    sa.select(IE.c.reason).where(IE.c.rollout_id == rollout_id).distinct()
+                )
+            ).scalars().all()
+        return SnapshotViews(
+            rollout_id,
+            tuple(_views(calls, edges)),
+            len(calls),
+            state.incomplete,
+            state.snapshot_id or "",
+            state.version,
+            tuple(sorted(reasons)),
+        )
+
+    async def load_chain(
+        self, rollout_id: str, terminal_call_id: str, *, expect: Sequence[str] | None = None
+    ) -> list[ChainLinkTokens]:
+        """The tokens of ``terminal_call_id``'s ancestor chain, root first, each read once.
+
+        Walks verified parents in one recursive query; every link's cumulative digest is
+        re-checked while the chain is replayed.  ``expect`` (the builder's plan) must match.
+        """
+        async with self._read() as conn:
+            rows = (
+                await conn.execute(
+                    self._ancestry_query(rollout_id, terminal_call_id, to_anchor=False)
+                )
+            ).all()
+        if not rows:
+            raise InvalidRecord(f"call {terminal_call_id!r} has no captured record")
+        ids = [r.model_call_id for r in rows]
+        if expect is not None and list(expect) != ids:
+            raise InvalidRecord(f"stored chain {ids} differs from the planned chain {list(expect)}")
+        return _replay_chain(rows)
+
+    # ----------------------------------------------------------------- retire / admin
+
+    async def retire(self, rollout_id: str, *, snapshot_id: str, version: int) -> bool:
+        """Retire exactly the consumed snapshot (§4.5): delete token payloads, keep a tombstone.
+
+        Returns False, changing nothing, when the rollout is not frozen at that identity.
+        """
+        validate_rollout_id(rollout_id)
+        async with self._write() as conn:
+            now = utcnow()
+            hit = (
+                await conn.execute(
+                    R.update()
+                    .where(
+                        R.c.rollout_id == rollout_id,
+                        R.c.state == "frozen",
+                        R.c.snapshot_id == snapshot_id,
+                        R.c.version == version,
+                    )
+                    .values(state="retired", retired_at=now, updated_at=now)
+                    .returning(R.c.rollout_id)
+                )
+            ).one_or_none()
+            if hit is None:
+                return False
+            await conn.execute(
+                T.delete().where(
+                    T.c.call_id.in_(sa.select(C.c.id).where(C.c.rollout_id == rollout_id))
+                )
+            )
+            await conn.execute(
+                D.update()
+                .where(
+                    D.c.rollout_id == rollout_id,
+                    D.c.snapshot_id == snapshot_id,
+                    D.c.version == version,
+                    D.c.outcome == "delivered",
+                )
+                .values(retired_at=now)
+            )
+            return True
+
+    async def delete_rollout(self, rollout_id: str) -> bool:
+        """Admin: remove every trace of a rollout (before re-dispatching its id)."""
+        validate_rollout_id(rollout_id)
+        async with self._write() as conn:
+            res = await conn.execute(R.delete().where(R.c.rollout_id == rollout_id))
+            return bool(res.rowcount)
+
+    async def sweep(self, older_than: timedelta) -> int:
+        """Remove retired tombstones retired at or before ``now - older_than``."""
+        cutoff = datetime.now(UTC) - older_than
+        async with self._write() as conn:
+            res = await conn.execute(
+                R.delete().where(R.c.state == "retired", R.c.retired_at <= cutoff)
+            )
+            return int(res.rowcount or 0)
+
+    async def get_state(self, rollout_id: str) -> RolloutState:
+        validate_rollout_id(rollout_id)
+        async with self._read() as conn:
+            row = (
+                await conn.execute(
+                    sa.select(R.c.state, R.c.incomplete, R.c.snapshot_id, R.c.version).where(
+                        R.c.rollout_id == rollout_id
+                    )
+                )
+            ).one_or_none()
+        if row is None:
+            raise NotFound(f"no rollout {rollout_id!r} in the ledger", rollout_id=rollout_id)
+        return RolloutState(rollout_id, row.state, row.incomplete, row.snapshot_id, row.version)
+
+    # ----------------------------------------------------------------- deliveries
+
+    async def record_delivery(
+        self,
+        rollout_id: str,
+        *,
+        snapshot_id: str | None,
+        version: int | None,
+        outcome: str,
+        mask_reasons: Sequence[str],
+        metrics: dict[str, Any],
+        terminal: dict[str, Any] | None,
+        quarantines: Iterable[Quarantine] = (),
+        consumer: str = "",
+        idempotency_key: str | None = None,
+    ) -> int:
+        """Store one build of a snapshot with its outcome, reasons, metrics and quarantines."""
+        async with self._write() as conn:
+            await self._lock_rollout(conn, rollout_id)
+            if idempotency_key is not None:
+                prior = (
+                    await conn.execute(
+                        sa.select(D.c.id).where(D.c.idempotency_key == idempotency_key)
+                    )
+                ).scalar_one_or_none()
+                if prior is not None:
+                    return int(prior)
+            did = (
+                await conn.execute(
+                    D.insert()
+                    .values(
+                        rollout_id=rollout_id,
+                        snapshot_id=snapshot_id,
+                        version=version,
+                        outcome=outcome,
+                        mask_reasons=list(mask_reasons),
+                        metrics=metrics,
+                        terminal=terminal,
+                        consumer=consumer,
+                        idempotency_key=idempotency_key,
+                    )
+                    .returning(D.c.id)
+                )
+            ).scalar_one()
+            rows = [
+                {
+                    "rollout_id": rollout_id,
+                    "delivery_id": did,
+                    "model_call_id": q.model_call_id,
+                    "reason": q.reason,
+                    "detail": q.detail,
+                }
+                for q in quarantines
+            ]
+            if rows:
+                await conn.execute(Q.insert(), rows)
+            return int(did)
+
+    async def mark_delivery(self, delivery_id: int, *, handed_off: bool = False,
+                            durable: bool = False) -> None:
+        """Stamp a delivery as handed off and/or durably acknowledged by the consumer."""
+        values: dict[str, Any] = {}
+        if handed_off:
+            values["handed_off_at"] = utcnow()
+        if durable:
+            values["durable_ack_at"] = utcnow()
+        if not values:
+            return
+        async with self._write() as conn:
+            await conn.execute(D.update().where(D.c.id == delivery_id).values(**values))
+
+
+@dataclass(frozen=True, slots=True)
+class _Parent:
+    pk: int
+    model_call_id: str
+    cumulative_len: int
+    method: str
+
+
+def _views(calls: Sequence[Row[Any]], edges: Sequence[Row[Any]]) -> list[CallView]:
+    by_pk = {c.id: c for c in calls}
+    edge_of: dict[int, Row[Any]] = {}
+    for e in edges:
+        # A verified edge outranks a drifted one for the same child.
+        cur = edge_of.get(e.child_id)
+        if cur is None or (cur.status != "verified" and e.status == "verified"):
+            edge_of[e.child_id] = e
+    views = []
+    for c in calls:
+        e = edge_of.get(c.id)
+        parent = by_pk.get(e.parent_id) if e is not None else None
+        views.append(
+            CallView(
+                model_call_id=c.model_call_id,
+                prompt_len=c.prompt_len,
+                generation_len=c.generation_len,
+                cumulative_len=c.cumulative_len,
+                cumulative_digest=c.cumulative_digest,
+                prompt_digest=c.prompt_digest,
+                created_at=c.created_at or 0.0,
+                parent_call_id=parent.model_call_id if parent is not None else None,
+                edge_method=e.method if e is not None else None,
+                edge_status=e.status if e is not None else None,
+                shared_len=e.shared_len if e is not None else None,
+                response_id=c.response_id,
+                output_items=list(c.output_items or []),
+                token_item_index=c.token_item_index,
+                request_fingerprint=c.request_fingerprint or "",
+                continuation_fingerprint=c.continuation_fingerprint or "",
+                model=c.model or "",
+            )
+        )
+    return views
+
+
+def _entries_from_rows(rows: Sequence[Row[Any]]) -> tuple[list[TokenEntry], list[tuple[str, str]]]:
+    """Rebuild full-prompt entries (replaying delta chains); list the calls that cannot be."""
+    cumulative: dict[str, bytes] = {}
+    entries: list[TokenEntry] = []
+    broken: list[tuple[str, str]] = []
+    for r in rows:
+        prompt = r.prompt_ids
+        if r.prompt_is_delta:
+            base = cumulative.get(r.parent_call_id)
+            if base is None:
+                broken.append((r.model_call_id, f"parent {r.parent_call_id!r} unavailable"))
+                continue
+            prompt = base + prompt
+        full = prompt + r.generation_ids
+        if codec.token_digest(full) != r.cumulative_digest:
+            broken.append((r.model_call_id, "cumulative digest mismatch"))
+            continue
+        cumulative[r.model_call_id] = full
+        entries.append(
+            TokenEntry.model_validate(
+                {
+                    "schema_version": r.schema_version,
+                    "rollout_id": r.rollout_id,
+                    "model_call_id": r.model_call_id,
+                    "model": r.model,
+                    "prompt_token_ids": codec.unpack_ids(prompt),
+                    "generation_token_ids": codec.unpack_ids(r.generation_ids),
+                    "generation_log_probs": codec.unpack_log_probs(r.log_prob_codec, r.log_probs),
+                    "routed_experts": r.routed_experts,
+                    "output_items": r.output_items or [],
+                    "token_item_index": r.token_item_index,
+                    "created_at": r.created_at,
+                    "response_id": r.response_id,
+                    **(r.extra or {}),
+                }
+            )
+        )
+    return entries, broken
+
+
+def _replay_chain(rows: Sequence[Row[Any]]) -> list[ChainLinkTokens]:
+    """Turn root-first chain rows into links whose ``prompt_suffix`` is only the new context."""
+    links: list[ChainLinkTokens] = []
+    cum = bytearray()
+    running = codec.RunningDigest()
+    for i, r in enumerate(rows):
+        if i == 0 and r.prompt_is_delta:
+            raise InvalidRecord(f"chain root {r.model_call_id!r} stores only a delta prompt")
+        if r.prompt_is_delta:
+            suffix = r.prompt_ids
+        else:
+            if r.prompt_ids[: len(cum)] != bytes(cum):
+                raise InvalidRecord(f"call {r.model_call_id!r} does not extend its parent")
+            suffix = r.prompt_ids[len(cum) :]
+        cum += suffix
+        cum += r.generation_ids
+        running.update(suffix)
+        running.update(r.generation_ids)
+        if running.hexdigest() != r.cumulative_digest:
+            raise InvalidRecord(f"call {r.model_call_id!r} does not match its cumulative digest")
+        links.append(
+            ChainLinkTokens(
+                model_call_id=r.model_call_id,
+                prompt_suffix=codec.unpack_ids(suffix),
+                generation_token_ids=codec.unpack_ids(r.generation_ids),
+                generation_log_probs=codec.unpack_log_probs(r.log_prob_codec, r.log_probs),
+                output_items=list(r.output_items or []),
+                token_item_index=r.token_item_index,
+                routed_experts=r.routed_experts,
+            )
+        )
+    return links
