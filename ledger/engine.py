@@ -58,7 +58,8 @@ def make_engine(url: str | URL, **kwargs: Any) -> AsyncEngine:
 def _sqlite_engine(url: URL, **kwargs: Any) -> AsyncEngine:
     if url.database in (None, "", ":memory:"):
         raise ValueError("the ledger needs a SQLite file, not an in-memory database")
-    engine = create_async_engine(url, connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}, **kwargs)
+    connect_args = {"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}
+    engine = create_async_engine(url, connect_args=connect_args, **kwargs)
 
     @event.listens_for(engine.sync_engine, "connect")
     def _on_connect(dbapi_conn: Any, _record: Any) -> None:

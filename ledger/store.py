@@ -15,11 +15,10 @@ import uuid
 from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import Any, cast
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
-from sqlalchemy.engine import Row
 from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
@@ -58,13 +57,13 @@ __all__ = [
     "SnapshotViews",
 ]
 
-R = Rollout.__table__
-C = Call.__table__
-T = CallTokens.__table__
-E = LineageEdge.__table__
-Q = QuarantineRow.__table__
-IE = IncompleteEvent.__table__
-D = Delivery.__table__
+R = cast(sa.Table, Rollout.__table__)
+C = cast(sa.Table, Call.__table__)
+T = cast(sa.Table, CallTokens.__table__)
+E = cast(sa.Table, LineageEdge.__table__)
+Q = cast(sa.Table, QuarantineRow.__table__)
+IE = cast(sa.Table, IncompleteEvent.__table__)
+D = cast(sa.Table, Delivery.__table__)
 
 _REASON_RE = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
 # Arrays above this many tokens are packed and hashed in a worker thread (keeps the loop free).
@@ -186,14 +185,38 @@ def _first_mismatch(a: bytes, b: bytes) -> int:
 class Ledger:
     """The SQL ledger over one database (a SQLite file or a Postgres database)."""
 
-    def __init__(self, url: str, *, delta_records: bool = True, engine: AsyncEngine | None = None):
+    def __init__(
+        self,
+        url: str,
+        *,
+        delta_records: bool = True,
+        auto_migrate: bool = False,
+        engine: AsyncEngine | None = None,
+    ):
         self.engine = engine or make_engine(url)
         self.url = url
         self.delta_records = delta_records
+        self.auto_migrate = auto_migrate
         self.dialect = self.engine.dialect.name
+
+        self._schema_ready = False
+        self._schema_lock = asyncio.Lock()
 
     async def close(self) -> None:
         await self.engine.dispose()
+
+    async def ensure_schema(self) -> None:
+        """Migrate the database to head once per process (guarded against concurrent runs)."""
+        if self._schema_ready:
+            return
+        async with self._schema_lock:
+            if not self._schema_ready:
+                from ledger import migrate
+
+                if await migrate.current_revision(self.url) != migrate.head_revision():
+                    # Alembic's env runs its own event loop: give it a thread.
+                    await asyncio.to_thread(migrate.upgrade, self.url)
+                self._schema_ready = True
 
     # ----------------------------------------------------------------- transactions
 
@@ -216,11 +239,15 @@ class Ledger:
 
     @contextlib.asynccontextmanager
     async def _write(self) -> AsyncIterator[AsyncConnection]:
+        if self.auto_migrate and not self._schema_ready:
+            await self.ensure_schema()
         async with self._translate(), self.engine.begin() as conn:
             yield conn
 
     @contextlib.asynccontextmanager
     async def _read(self) -> AsyncIterator[AsyncConnection]:
+        if self.auto_migrate and not self._schema_ready:
+            await self.ensure_schema()
         async with self._translate(), self.engine.connect() as conn:
             conn = await conn.execution_options(**{READ_ONLY: True})
             async with conn.begin():
@@ -328,7 +355,7 @@ class Ledger:
         request_fingerprint: str = "",
         continuation_fingerprint: str = "",
     ) -> PutResult:
-        """Commit one call record with its proven lineage edge before returning (§4.1–§4.3).
+        """Commit one call record with its proven lineage edge before returning (§4.1 to §4.3).
 
         A byte-identical repeat is a no-op; the same call id with other bytes is refused, marks
         the rollout incomplete and leaves the first record unchanged; a new record after freeze
@@ -462,7 +489,7 @@ class Ledger:
 
     async def _candidates(
         self, conn: AsyncConnection, rollout_id: str, prompt_len: int
-    ) -> Sequence[Row[Any]]:
+    ) -> Sequence[Any]:
         """Captured calls that could be a parent, by length alone (no token arrays read)."""
         return (
             await conn.execute(
@@ -495,7 +522,9 @@ class Ledger:
         if not matches:
             return None
         best = max(c.cumulative_len for c in matches)
-        tied = sorted((c for c in matches if c.cumulative_len == best), key=lambda c: c.model_call_id)
+        tied = sorted(
+            (c for c in matches if c.cumulative_len == best), key=lambda c: c.model_call_id
+        )
         win = tied[0]
         # Verify the winner's sampled tokens byte-for-byte (the digest covers the rest).
         gen = (
@@ -950,9 +979,9 @@ class _Parent:
     method: str
 
 
-def _views(calls: Sequence[Row[Any]], edges: Sequence[Row[Any]]) -> list[CallView]:
+def _views(calls: Sequence[Any], edges: Sequence[Any]) -> list[CallView]:
     by_pk = {c.id: c for c in calls}
-    edge_of: dict[int, Row[Any]] = {}
+    edge_of: dict[int, Any] = {}
     for e in edges:
         # A verified edge outranks a drifted one for the same child.
         cur = edge_of.get(e.child_id)
@@ -986,7 +1015,7 @@ def _views(calls: Sequence[Row[Any]], edges: Sequence[Row[Any]]) -> list[CallVie
     return views
 
 
-def _entries_from_rows(rows: Sequence[Row[Any]]) -> tuple[list[TokenEntry], list[tuple[str, str]]]:
+def _entries_from_rows(rows: Sequence[Any]) -> tuple[list[TokenEntry], list[tuple[str, str]]]:
     """Rebuild full-prompt entries (replaying delta chains); list the calls that cannot be."""
     cumulative: dict[str, bytes] = {}
     entries: list[TokenEntry] = []
@@ -1026,7 +1055,7 @@ def _entries_from_rows(rows: Sequence[Row[Any]]) -> tuple[list[TokenEntry], list
     return entries, broken
 
 
-def _replay_chain(rows: Sequence[Row[Any]]) -> list[ChainLinkTokens]:
+def _replay_chain(rows: Sequence[Any]) -> list[ChainLinkTokens]:
     """Turn root-first chain rows into links whose ``prompt_suffix`` is only the new context."""
     links: list[ChainLinkTokens] = []
     cum = bytearray()

@@ -149,6 +149,8 @@ class LineageEdge(Base):
         UniqueConstraint("child_id", "parent_id"),
         CheckConstraint(_in("status", EDGE_STATUSES), name="status"),
         Index(None, "rollout_id"),
+        Index(None, "child_id"),
+        Index(None, "parent_id"),
     )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
@@ -165,7 +167,7 @@ class LineageEdge(Base):
 
 class QuarantineRow(Base):
     __tablename__ = "quarantines"
-    __table_args__ = (Index(None, "rollout_id"),)
+    __table_args__ = (Index(None, "rollout_id"), Index(None, "delivery_id"))
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
     rollout_id: Mapped[str] = mapped_column(ForeignKey("rollouts.rollout_id", ondelete="CASCADE"))
