@@ -1,0 +1,76 @@
+"""Token codec: packed arrays round-trip bit-exactly; bad values are refused."""
+
+from __future__ import annotations
+
+import math
+import struct
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from ledger import codec
+from ledger.errors import InvalidRecord
+
+int32 = st.integers(min_value=-(2**31), max_value=2**31 - 1)
+finite_or_neg_inf = st.one_of(
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.floats(width=32, allow_nan=False, allow_infinity=False),
+    st.sampled_from([-9999.0, float("-inf"), -0.0, 0.0, -1e-45, -3.4028234663852886e38]),
+)
+
+
+@given(st.lists(int32, max_size=300))
+def test_ids_round_trip(ids: list[int]) -> None:
+    packed = codec.pack_ids(ids)
+    assert len(packed) == 4 * len(ids)
+    assert codec.unpack_ids(packed) == ids
+
+
+@given(st.lists(finite_or_neg_inf, max_size=300))
+def test_log_probs_round_trip_bit_exact(values: list[float]) -> None:
+    tag, packed = codec.pack_log_probs(values)
+    back = codec.unpack_log_probs(tag, packed)
+    assert [struct.pack("<d", v) for v in back] == [struct.pack("<d", v) for v in values]
+
+
+def test_float32_is_used_only_when_exact() -> None:
+    exact = [-0.5, -9999.0, float("-inf"), struct.unpack("<f", struct.pack("<f", -3.0727))[0]]
+    assert codec.pack_log_probs(exact)[0] == codec.LOGPROB_F32
+    assert codec.pack_log_probs([*exact, -0.1])[0] == codec.LOGPROB_F64
+
+
+@pytest.mark.parametrize("bad", [2**31, -(2**31) - 1, 2**40])
+def test_ids_outside_int32_are_refused(bad: int) -> None:
+    with pytest.raises(InvalidRecord, match="int32"):
+        codec.pack_ids([1, bad])
+
+
+def test_nan_log_prob_is_refused() -> None:
+    with pytest.raises(InvalidRecord, match="NaN"):
+        codec.pack_log_probs([-0.1, math.nan])
+
+
+@given(st.lists(int32, max_size=200), st.lists(st.integers(0, 200), max_size=10))
+def test_prefix_digests_equal_digests_of_prefixes(ids: list[int], cuts: list[int]) -> None:
+    packed = codec.pack_ids(ids)
+    got = codec.prefix_digests(packed, cuts)
+    for n in cuts:
+        if n <= len(ids):
+            assert got[n] == codec.token_digest(ids[:n])
+        else:
+            assert n not in got
+
+
+def test_running_digest_matches_whole_sequence() -> None:
+    running = codec.RunningDigest()
+    seq: list[int] = []
+    for part in ([1, 2, 3], [], [4], [5, 6]):
+        running.update(codec.pack_ids(part))
+        seq += part
+        assert running.hexdigest() == codec.token_digest(seq)
+
+
+def test_digest_distinguishes_sequences_and_lengths() -> None:
+    assert codec.token_digest([]) != codec.token_digest([0])
+    assert codec.token_digest([1, 2]) != codec.token_digest([2, 1])
