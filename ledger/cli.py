@@ -119,9 +119,7 @@ def conformance(
         list[str] | None,
         typer.Option("--kwarg", "-k", help="KEY=VALUE passed to every class (repeatable)."),
     ] = None,
-    db: Annotated[
-        str | None, typer.Option("--db", help="Shortcut for --kwarg url=URL.")
-    ] = None,
+    db: Annotated[str | None, typer.Option("--db", help="Shortcut for --kwarg url=URL.")] = None,
 ) -> None:
     """Run the conformance kit against capture classes named by import path."""
     from ledger.conformance import ConformanceError, run_conformance
@@ -155,3 +153,12 @@ def conformance(
 
 def main() -> None:  # pragma: no cover - console entry point
     sys.exit(app())
+
+
+def _register_subcommands() -> None:
+    from ledger import cli_ops
+
+    cli_ops.register(app)
+
+
+_register_subcommands()

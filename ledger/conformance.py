@@ -71,8 +71,13 @@ async def _maybe_await(value: Any) -> Any:
 
 
 class _Run:
-    def __init__(self, sink_factory: Factory, source_factory: Factory,
-                 lineage_factory: Factory | None, rollout_id: str) -> None:
+    def __init__(
+        self,
+        sink_factory: Factory,
+        source_factory: Factory,
+        lineage_factory: Factory | None,
+        rollout_id: str,
+    ) -> None:
         self.sink_factory = sink_factory
         self.source_factory = source_factory
         self.lineage_factory = lineage_factory

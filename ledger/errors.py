@@ -6,6 +6,7 @@
     │   ├── InvalidRecord
     │   └── UnsupportedSchemaVersion
     ├── NotFound                                  unknown rollout / call         → 404
+    ├── AccessDenied                              missing or wrong API token     → 401 / 403
     ├── StateConflict                             the ledger's state forbids it  → 409 / 410
     │   ├── PayloadConflict                       same call id, different bytes  → 409
     │   ├── RolloutFrozen                         write after freeze             → 409
@@ -19,6 +20,7 @@ HTTP status codes once, in ``api.errors``.
 from __future__ import annotations
 
 __all__ = [
+    "AccessDenied",
     "InvalidInput",
     "InvalidRecord",
     "InvalidRolloutId",
@@ -64,6 +66,12 @@ class UnsupportedSchemaVersion(InvalidInput):
 
 class NotFound(LedgerError):
     code = "not_found"
+
+
+class AccessDenied(LedgerError):
+    """The ledger service refused the API token (remote transports only)."""
+
+    code = "access_denied"
 
 
 class StateConflict(LedgerError):

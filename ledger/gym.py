@@ -23,9 +23,16 @@ class LedgerBackend(Protocol):
 
     async def begin_call(
         self, rollout_id: str, model_call_id: str, *, route: str | None = None, model: str = ""
-    ) -> None: ...
+    ) -> bool: ...
     async def cancel_call(self, rollout_id: str, model_call_id: str) -> bool: ...
     async def put(self, entry: TokenEntry | dict[str, Any]) -> PutResult: ...
+    async def finalize(
+        self, result: dict[str, Any], *, deliver: str = "one", consumer: str = ""
+    ) -> dict[str, Any]: ...
+    async def mark_delivery(
+        self, delivery_id: int, *, handed_off: bool = False, durable: bool = False
+    ) -> None: ...
+    async def delete_rollout(self, rollout_id: str) -> bool: ...
     async def mark_incomplete(
         self, rollout_id: str, model_call_id: str = "", *, reason: str, detail: str = ""
     ) -> int: ...
@@ -40,15 +47,16 @@ def open_backend(
 ) -> LedgerBackend:
     """A database URL gives direct SQL access; an ``http(s)://`` URL a remote ledger service."""
     if url.startswith(("http://", "https://")):
-        from ledger import client
+        from ledger.client import RemoteLedger
 
-        return client.RemoteLedger(url, token=token, **kwargs)
+        return RemoteLedger(url, token=token, **kwargs)
     return Ledger(url, delta_records=delta_records, auto_migrate=True)
 
 
 class _Client:
-    def __init__(self, url: str, *, token: str | None = None, delta_records: bool = True,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, url: str, *, token: str | None = None, delta_records: bool = True, **kwargs: Any
+    ) -> None:
         self.url = url
         self._backend = open_backend(url, token=token, delta_records=delta_records, **kwargs)
         self._closed = False
@@ -84,9 +92,7 @@ class CaptureSink(_Client):
         reason: str = "capture_failed",
         detail: str = "",
     ) -> None:
-        await self._backend.mark_incomplete(
-            rollout_id, model_call_id, reason=reason, detail=detail
-        )
+        await self._backend.mark_incomplete(rollout_id, model_call_id, reason=reason, detail=detail)
 
 
 class CaptureSource(_Client):

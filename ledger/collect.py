@@ -1,0 +1,292 @@
+"""``rollout-ledger collect``: finalize rollout results, write them durably, then retire.
+
+Order per row (design §5.4): finalize (freeze, build, mask) → append the output row, flush and
+fsync → retire the snapshot it was built from.  A crash at any point loses nothing:
+
+* before the fsync, the row is not in the output and its records are not retired: a re-run
+  builds it again (freeze is idempotent, so the same snapshot comes back);
+* after the fsync but before the retire, a re-run finds the row in the output, does not write it
+  again, and retires its snapshot (retire is conditional, so this is safe to repeat);
+* a torn last line (the process died mid-write) was never fsynced: it is cut off on re-run.
+
+Rows are keyed by their capture key (rollout id), or by input line number when they have none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+from ledger.delivery import finalize_rollout_token_capture, retire_rollout_token_capture
+from ledger.errors import InvalidRolloutId
+from ledger.ids import rollout_id_from_run_body
+
+__all__ = ["CollectAborted", "CollectReport", "collect"]
+
+SNAPSHOT_KEY = "_ng_capture_snapshot"
+LINE_KEY = "_ng_input_line"
+
+
+class CollectAborted(RuntimeError):
+    """The masked fraction exceeded ``max_mask_fraction``; the report says why."""
+
+    def __init__(self, message: str, report: CollectReport) -> None:
+        super().__init__(message)
+        self.report = report
+
+
+@dataclass
+class CollectReport:
+    rows_in: int = 0
+    finalized: int = 0
+    written: int = 0
+    masked: int = 0
+    retired: int = 0
+    skipped_already_written: int = 0
+    retired_on_resume: int = 0
+    malformed_lines: list[tuple[int, str]] = field(default_factory=list)
+    mask_reasons: Counter[str] = field(default_factory=Counter)
+    delivered_fraction: Counter[str] = field(default_factory=Counter)
+    chains: Counter[str] = field(default_factory=Counter)
+    aborted: str | None = None
+
+    @property
+    def mask_fraction(self) -> float:
+        return self.masked / self.finalized if self.finalized else 0.0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "rows_in": self.rows_in,
+            "finalized": self.finalized,
+            "written": self.written,
+            "masked": self.masked,
+            "mask_fraction": round(self.mask_fraction, 4),
+            "retired": self.retired,
+            "skipped_already_written": self.skipped_already_written,
+            "retired_on_resume": self.retired_on_resume,
+            "malformed_lines": [{"line": n, "error": e} for n, e in self.malformed_lines],
+            "mask_reasons": dict(self.mask_reasons.most_common()),
+            "delivered_fraction": dict(sorted(self.delivered_fraction.items())),
+            "chains": dict(sorted(self.chains.items())),
+            "aborted": self.aborted,
+        }
+
+
+def _row_key(row: dict[str, Any], line_no: int) -> str:
+    try:
+        rid = rollout_id_from_run_body(row)
+    except InvalidRolloutId:
+        rid = None
+    return f"rollout:{rid}" if rid else f"line:{line_no}"
+
+
+def _bucket(frac: Any) -> str:
+    if not isinstance(frac, int | float):
+        return "n/a"
+    if frac >= 1.0:
+        return "1.0"
+    lo = int(frac * 10) / 10
+    return f"{lo:.1f}-{lo + 0.1:.1f}"
+
+
+def _scan_output(path: Path) -> dict[str, dict[str, Any]]:
+    """Rows already written (by key), cutting off a torn final line left by a crash."""
+    done: dict[str, dict[str, Any]] = {}
+    if not path.exists():
+        return done
+    with path.open("rb+") as fh:
+        good_end = 0
+        for raw in fh:
+            if not raw.endswith(b"\n"):
+                break  # torn: never fsynced, never acknowledged
+            try:
+                row = json.loads(raw)
+            except ValueError:
+                break
+            good_end += len(raw)
+            line = row.get(LINE_KEY)
+            key = _row_key(row, int(line) if isinstance(line, int) else -1)
+            done[key] = row
+        fh.truncate(good_end)
+    return done
+
+
+def _dumps(row: dict[str, Any]) -> bytes:
+    # The standard library keeps -inf log-probs as -Infinity, where orjson would write null.
+    return json.dumps(row, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+class _Writer:
+    """Appends rows and fsyncs each before it is acknowledged."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._fh: IO[bytes] = path.open("ab")
+        self._lock = asyncio.Lock()
+
+    async def write(self, rows: list[dict[str, Any]]) -> None:
+        data = b"".join(_dumps(r) + b"\n" for r in rows)
+        async with self._lock:
+            await asyncio.to_thread(self._append, data)
+
+    def _append(self, data: bytes) -> None:
+        self._fh.write(data)
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+
+    def close(self) -> None:
+        self._fh.close()
+
+
+def _rows_for(
+    result: dict[str, Any], build: dict[str, Any] | None, deliver: str
+) -> list[dict[str, Any]]:
+    if deliver != "all-chains" or not build or not build.get("trajectories"):
+        return [result]
+    rows = []
+    trajectories = build["trajectories"]
+    for i, traj in enumerate(trajectories):
+        row = json.loads(_dumps(result))
+        response = row.get("response")
+        if isinstance(response, dict):
+            response["output"] = traj["response"]["output"]
+            response["usage"] = traj["response"]["usage"]
+        else:
+            row["response"] = traj["response"]
+        row["_ng_trajectory"] = {
+            "index": i,
+            "of": len(trajectories),
+            "label": traj["label"],
+            "role": traj["role"],
+        }
+        rows.append(row)
+    return rows
+
+
+async def collect(
+    source: Any,
+    input_path: Path,
+    output_path: Path,
+    *,
+    max_mask_fraction: float | None = None,
+    min_samples: int = 50,
+    concurrency: int = 8,
+    deliver: str = "one",
+    consumer: str = "collect",
+    on_progress: Callable[[CollectReport], None] | None = None,
+    write_hook: Callable[[], Awaitable[None]] | None = None,
+) -> CollectReport:
+    """Finalize every row of ``input_path`` into ``output_path``; see the module docstring."""
+    report = CollectReport()
+    done = _scan_output(output_path)
+    writer = _Writer(output_path)
+    sem = asyncio.Semaphore(max(1, concurrency))
+    stop = asyncio.Event()
+
+    async def retire_written(row: dict[str, Any]) -> bool:
+        snap = row.get(SNAPSHOT_KEY)
+        try:
+            rid = rollout_id_from_run_body(row)
+        except InvalidRolloutId:
+            return False
+        if not isinstance(snap, dict) or rid is None or row.get("mask_sample"):
+            return False
+        built = {"outcome": "delivered", "mask_sample": False, **snap}
+        return await retire_rollout_token_capture(rid, source, built)
+
+    async def one(line_no: int, row: dict[str, Any]) -> None:
+        async with sem:
+            if stop.is_set():
+                return
+            build = await finalize_rollout_token_capture(
+                row, source, deliver=deliver, consumer=consumer
+            )
+            report.finalized += 1
+            masked = bool(row.get("mask_sample"))
+            if masked:
+                report.masked += 1
+                reasons = (build or {}).get("mask_reasons") or ["unknown"]
+                report.mask_reasons.update(reasons)
+            metrics = row.get("_ng_token_capture") or {}
+            report.delivered_fraction[_bucket(metrics.get("delivered_fraction"))] += 1
+            if "chains" in metrics:
+                report.chains[str(metrics["chains"])] += 1
+            if (
+                max_mask_fraction is not None
+                and report.finalized >= min_samples
+                and report.mask_fraction > max_mask_fraction
+            ):
+                report.aborted = (
+                    f"{report.masked}/{report.finalized} finalized rollouts "
+                    f"({report.mask_fraction:.1%}) are masked, exceeding max_mask_fraction="
+                    f"{max_mask_fraction}. Mask reasons: {dict(report.mask_reasons.most_common())}"
+                )
+                stop.set()
+                return
+            if build and build.get("snapshot_id") is not None:
+                row[SNAPSHOT_KEY] = {
+                    "snapshot_id": build["snapshot_id"],
+                    "version": build["version"],
+                }
+            row[LINE_KEY] = line_no
+            if write_hook is not None:
+                await write_hook()
+            await writer.write(_rows_for(row, build, deliver))
+            report.written += 1
+            rid = (build or {}).get("rollout_id")
+            if rid and await retire_rollout_token_capture(rid, source, build):
+                report.retired += 1
+            if on_progress:
+                on_progress(report)
+
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        with input_path.open("rb") as fh:
+            for line_no, raw in enumerate(fh, start=1):
+                if stop.is_set():
+                    break
+                if not raw.strip():
+                    continue
+                try:
+                    row = json.loads(raw)
+                    if not isinstance(row, dict):
+                        raise ValueError("a row must be a JSON object")
+                except ValueError as exc:
+                    report.malformed_lines.append((line_no, str(exc)[:200]))
+                    continue
+                report.rows_in += 1
+                key = _row_key(row, line_no)
+                if key in done:
+                    report.skipped_already_written += 1
+                    if await retire_written(done[key]):
+                        report.retired_on_resume += 1
+                    continue
+                tasks.append(asyncio.create_task(one(line_no, row)))
+                # Bound the backlog: never hold more than a few batches of rows in memory.
+                if len(tasks) >= 4 * max(1, concurrency):
+                    await _drain(tasks, keep=concurrency)
+        await asyncio.gather(*tasks)
+    finally:
+        for t in tasks:
+            t.cancel()
+        with contextlib.suppress(BaseException):
+            await asyncio.gather(*tasks, return_exceptions=True)
+        writer.close()
+    if report.aborted:
+        raise CollectAborted(report.aborted, report)
+    return report
+
+
+async def _drain(tasks: list[asyncio.Task[None]], keep: int) -> None:
+    while len(tasks) > keep:
+        finished, _ = await asyncio.wait(tasks, return_when=asyncio.FIRST_COMPLETED)
+        for t in finished:
+            tasks.remove(t)
+            t.result()

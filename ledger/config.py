@@ -1,0 +1,164 @@
+"""Configuration: one YAML file, overridden by environment variables, overridden by CLI flags.
+
+Secrets never live in the file: API tokens come from the environment variable named by
+``auth.tokens_env`` (default ``ROLLOUT_LEDGER_TOKENS``), formatted
+``TOKEN=scope,scope;TOKEN2=scope``.  Scopes: ingest, trainer, audit, admin.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from ledger.engine import DEFAULT_DB_URL
+
+__all__ = [
+    "SCOPES",
+    "CaptureConfig",
+    "ConfigError",
+    "NonGeneratingRoute",
+    "Settings",
+    "load_settings",
+    "parse_tokens",
+]
+
+SCOPES = ("ingest", "trainer", "audit", "admin")
+_METHOD_RE = re.compile(r"^[A-Za-z]+$")
+
+
+class ConfigError(ValueError):
+    """The configuration is invalid; the message names the bad entry."""
+
+
+class NonGeneratingRoute(BaseModel):
+    """An exact (method, path) whose successful response cannot carry policy text."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    method: str
+    path: str
+
+    @field_validator("method", mode="before")
+    @classmethod
+    def _method(cls, v: Any) -> str:
+        if not isinstance(v, str) or not _METHOD_RE.match(v):
+            raise ValueError(f"method must be a string of ASCII letters; got {v!r}")
+        return v.upper()
+
+    @field_validator("path", mode="before")
+    @classmethod
+    def _path(cls, v: Any) -> str:
+        if not isinstance(v, str) or not v.startswith("/"):
+            raise ValueError(f"path must be a string starting with '/'; got {v!r}")
+        bad = [c for c in "?#*{}" if c in v]
+        if bad:
+            raise ValueError(
+                f"path must be exact (no wildcards, templates or query strings); {v!r} has {bad}"
+            )
+        return v
+
+
+class CaptureConfig(BaseModel):
+    """The seed's ``token_id_capture`` keys that apply to a standalone ledger."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    delta_records: bool = True
+    rebuild_response: bool = True
+    max_mask_fraction: float | None = Field(default=None, ge=0.0, le=1.0)
+    mask_fraction_min_samples: int = Field(default=50, ge=0)
+
+
+class AuthConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    tokens_env: str = "ROLLOUT_LEDGER_TOKENS"
+    allow_unauthenticated_remote: bool = False
+
+
+class Settings(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    db: str = DEFAULT_DB_URL
+    upstream: str | None = None
+    host: str = "127.0.0.1"
+    port: int = Field(default=8080, ge=0, le=65535)
+    token_id_capture: CaptureConfig = Field(default_factory=CaptureConfig)
+    sampling_overrides: dict[str, Any] | None = None
+    token_id_capture_non_generating_requests: list[NonGeneratingRoute] = Field(default_factory=list)
+    upstream_timeout_s: float = Field(default=600.0, gt=0)
+    upstream_connect_timeout_s: float = Field(default=10.0, gt=0)
+    max_body_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
+    auth: AuthConfig = Field(default_factory=AuthConfig)
+    tokens: dict[str, frozenset[str]] = Field(default_factory=dict, exclude=True)
+
+    @field_validator("upstream")
+    @classmethod
+    def _upstream(cls, v: str | None) -> str | None:
+        """Accept the upstream with or without a trailing ``/v1`` (the proxy adds paths)."""
+        if v is None or v == "":
+            return None
+        v = v.rstrip("/")
+        if v.endswith("/v1"):
+            v = v[: -len("/v1")]
+        if not v.startswith(("http://", "https://")):
+            raise ValueError(f"upstream must be an http(s) URL; got {v!r}")
+        return v
+
+
+def parse_tokens(raw: str) -> dict[str, frozenset[str]]:
+    """``TOKEN=scope,scope;TOKEN2=scope`` → {token: scopes}; unknown scopes are an error."""
+    out: dict[str, frozenset[str]] = {}
+    for part in filter(None, (p.strip() for p in raw.split(";"))):
+        token, sep, scopes = part.partition("=")
+        if not sep or not token.strip():
+            raise ConfigError("API tokens must look like TOKEN=scope,scope;TOKEN2=scope")
+        names = frozenset(s.strip() for s in scopes.split(",") if s.strip())
+        unknown = names - set(SCOPES)
+        if unknown or not names:
+            got = sorted(unknown) or "none"
+            raise ConfigError(f"API token scopes must be among {', '.join(SCOPES)}; got {got}")
+        out[token.strip()] = names
+    return out
+
+
+_ENV = {
+    "ROLLOUT_LEDGER_DB": "db",
+    "ROLLOUT_LEDGER_UPSTREAM": "upstream",
+    "ROLLOUT_LEDGER_HOST": "host",
+    "ROLLOUT_LEDGER_PORT": "port",
+}
+
+
+def load_settings(config_file: str | Path | None = None, **overrides: Any) -> Settings:
+    """File, then environment, then explicit overrides (``None`` values are ignored)."""
+    data: dict[str, Any] = {}
+    if config_file is not None:
+        path = Path(config_file)
+        try:
+            loaded = yaml.safe_load(path.read_text()) or {}
+        except (OSError, yaml.YAMLError) as exc:
+            raise ConfigError(f"cannot read config {path}: {exc}") from None
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"config {path} must be a mapping at the top level")
+        data.update(loaded)
+    for env, key in _ENV.items():
+        if os.environ.get(env):
+            data[key] = os.environ[env]
+    data.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        settings = Settings.model_validate(data)
+    except ValidationError as exc:
+        lines = []
+        for err in exc.errors(include_url=False):
+            loc = ".".join(str(p) for p in err["loc"])
+            lines.append(f"{loc}: {err['msg']}")
+        raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None
+    settings.tokens = parse_tokens(os.environ.get(settings.auth.tokens_env, ""))
+    return settings

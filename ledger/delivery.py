@@ -1,0 +1,286 @@
+"""Finalize and retire rollouts with the seed's semantics (design §5.4, §4.7, §4.8).
+
+``finalize_rollout_token_capture(result, source)`` freezes the rollout, plans the build from
+call metadata, reads the delivered chain's tokens once, projects them into ``response.output``
+in place, records the build in ``deliveries`` and returns the build.  It never raises: any
+failure masks the rollout with its reason.  ``retire_rollout_token_capture`` retires only a
+delivered (or redundant) build, with its exact snapshot identity, and only after the caller has
+written the rebuilt result durably.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+from ledger.builder import failed_plan, plan_build
+from ledger.errors import InvalidRolloutId
+from ledger.ids import rollout_id_from_run_body
+from ledger.model import BuildPlan, ChainPlan
+from ledger.projection import assert_prefix_contiguous, project_chain
+from ledger.store import Ledger, SnapshotViews
+
+__all__ = [
+    "DeliveryBackend",
+    "build_rollout",
+    "finalize_rollout_token_capture",
+    "retire_rollout_token_capture",
+]
+
+log = logging.getLogger("rollout_ledger.delivery")
+
+
+class DeliveryBackend(Protocol):
+    """A ledger that can build rollouts: the local ``Ledger`` or the HTTP client."""
+
+    async def finalize(
+        self, result: dict[str, Any], *, deliver: str = "one", consumer: str = ""
+    ) -> dict[str, Any]: ...
+
+    async def retire(self, rollout_id: str, *, snapshot_id: str, version: int) -> bool: ...
+
+    async def mark_delivery(
+        self, delivery_id: int, *, handed_off: bool = False, durable: bool = False
+    ) -> None: ...
+
+
+def _backend(source: Any) -> Any:
+    """Accept a ``CaptureSource``/``Ledger``/remote client; return what builds."""
+    return getattr(source, "backend", source)
+
+
+def carries_token_ids(result: Mapping[str, Any]) -> bool:
+    """True when the rollout's output already holds generated token ids (a native agent)."""
+    response = result.get("response")
+    output = response.get("output") if isinstance(response, Mapping) else None
+    if not isinstance(output, list):
+        return False
+    return any(
+        isinstance(item, Mapping) and bool(item.get("generation_token_ids")) for item in output
+    )
+
+
+def _masked_build(rollout_id: str | None, error: str, reason: str) -> dict[str, Any]:
+    metrics = {"n_calls": 0, "error": error, "mask_reasons": [reason]}
+    return {
+        "rollout_id": rollout_id,
+        "outcome": "failed",
+        "mask_sample": True,
+        "mask_reasons": [reason],
+        "metrics": metrics,
+        "rebuilt_response": None,
+        "snapshot_id": None,
+        "version": None,
+        "delivery_id": None,
+    }
+
+
+def _apply(result: dict[str, Any], build: dict[str, Any]) -> None:
+    """Write the build into the rollout result (only ``output``/``usage`` of the response)."""
+    rebuilt = build.get("rebuilt_response")
+    if rebuilt is not None:
+        response = result.get("response")
+        if isinstance(response, dict):
+            response["output"] = rebuilt["output"]
+            response["usage"] = rebuilt["usage"]
+        else:
+            result["response"] = rebuilt
+    result["_ng_token_capture"] = build["metrics"]
+    if build["mask_sample"]:
+        result["mask_sample"] = True
+    else:
+        result.pop("mask_sample", None)
+
+
+async def finalize_rollout_token_capture(
+    result: dict[str, Any], source: Any, *, deliver: str = "one", consumer: str = ""
+) -> dict[str, Any] | None:
+    """Rebuild ``result["response"]["output"]`` in place from the captured calls.
+
+    Returns the build (outcome, mask reasons, metrics, snapshot identity), or ``None`` when
+    ``source`` is ``None``.  Never raises: a failure masks the rollout with its reason.
+    """
+    if source is None:
+        return None
+    try:
+        rollout_id = rollout_id_from_run_body(result)
+    except InvalidRolloutId as exc:
+        build = _masked_build(None, f"malformed rollout id: {exc}", "malformed_rollout_id")
+        _apply(result, build)
+        return build
+    if rollout_id is None:
+        build = _masked_build(None, "no capture key", "no_capture_key")
+        _apply(result, build)
+        return build
+    try:
+        build = await _backend(source).finalize(result, deliver=deliver, consumer=consumer)
+    except Exception as exc:  # the source itself failed: mask, keep everything for diagnosis
+        log.warning("finalize failed for rollout %s: %s", rollout_id, exc)
+        build = _masked_build(rollout_id, f"{type(exc).__name__}: {exc}", "source_error")
+    if build.get("outcome") != "redundant":
+        _apply(result, build)
+    return build
+
+
+async def retire_rollout_token_capture(
+    rollout_id: str, source: Any, built: Mapping[str, Any] | None
+) -> bool:
+    """Retire a delivered build's records, by its exact snapshot identity.
+
+    Call only after the rebuilt result is durably stored.  Masked and failed builds are never
+    retired: their records stay for diagnosis.  Returns whether the records were retired.
+    """
+    if (
+        not built
+        or built.get("mask_sample")
+        or built.get("outcome") not in ("delivered", "redundant")
+    ):
+        return False
+    snapshot_id, version = built.get("snapshot_id"), built.get("version")
+    if not snapshot_id or version is None:
+        return False
+    backend = _backend(source)
+    try:
+        if built.get("delivery_id") is not None:
+            await backend.mark_delivery(int(built["delivery_id"]), durable=True)
+        return bool(
+            await backend.retire(rollout_id, snapshot_id=str(snapshot_id), version=int(version))
+        )
+    except Exception as exc:
+        log.warning("retire failed for rollout %s: %s", rollout_id, exc)
+        return False
+
+
+# --------------------------------------------------------------------------- the build itself
+
+
+async def build_rollout(
+    ledger: Ledger, result: dict[str, Any], *, deliver: str = "one", consumer: str = ""
+) -> dict[str, Any]:
+    """Freeze, plan, read the delivered chain once, project, and record the delivery row.
+
+    ``result`` is only read here; ``finalize_rollout_token_capture`` applies the build.
+    """
+    rollout_id = rollout_id_from_run_body(result)
+    if rollout_id is None:
+        return _masked_build(None, "no capture key", "no_capture_key")
+    if carries_token_ids(result):
+        state = await ledger.freeze_state(rollout_id)  # fence late writes all the same
+        return {
+            "rollout_id": rollout_id,
+            "outcome": "redundant",
+            "mask_sample": False,
+            "mask_reasons": [],
+            "metrics": {},
+            "rebuilt_response": None,
+            "snapshot_id": state.snapshot_id,
+            "version": state.version,
+            "_capture_snapshot": {"snapshot_id": state.snapshot_id, "version": state.version},
+            "delivery_id": None,
+            "_redundant_capture": True,
+        }
+    views = await ledger.freeze_views(rollout_id)
+    try:
+        plan = plan_build(
+            views.calls,
+            n_calls=views.n_calls,
+            incomplete=views.incomplete,
+            result=result,
+            deliver=deliver,
+        )
+    except ValueError as exc:  # contradictory metadata: record the failure, never guess
+        error = f"{type(exc).__name__}: {exc}"
+        plan = failed_plan(n_calls=views.n_calls, incomplete=views.incomplete, error=error)
+    build = await _execute(ledger, rollout_id, views, plan, result, deliver)
+    build["delivery_id"] = await ledger.record_delivery(
+        rollout_id,
+        snapshot_id=views.snapshot_id,
+        version=views.version,
+        outcome=build["outcome"],
+        mask_reasons=build["mask_reasons"],
+        metrics=build["metrics"],
+        terminal=build["metrics"].get("terminal_attribution"),
+        quarantines=plan.quarantines,
+        consumer=consumer,
+    )
+    await ledger.mark_delivery(build["delivery_id"], handed_off=True)
+    return build
+
+
+def _model_of(views: SnapshotViews, chain: ChainPlan) -> str:
+    models = {v.model_call_id: v.model for v in views.calls}
+    return models.get(chain.call_ids[-1], "") or next((m for m in models.values() if m), "")
+
+
+async def _project(
+    ledger: Ledger, rollout_id: str, views: SnapshotViews, chain: ChainPlan
+) -> dict[str, Any]:
+    links = await ledger.load_chain(rollout_id, chain.call_ids[-1], expect=chain.call_ids)
+    response = project_chain(rollout_id, links, _model_of(views, chain))
+    assert_prefix_contiguous(response)
+    return response
+
+
+async def _execute(
+    ledger: Ledger,
+    rollout_id: str,
+    views: SnapshotViews,
+    plan: BuildPlan,
+    result: Mapping[str, Any],
+    deliver: str,
+) -> dict[str, Any]:
+    metrics = copy.deepcopy(plan.metrics)
+    reasons = list(plan.mask_reasons)
+    rebuilt: dict[str, Any] | None = None
+    trajectories: list[dict[str, Any]] = []
+    failed = False
+    if views.incomplete_reasons:
+        metrics["incomplete_reasons"] = list(views.incomplete_reasons)
+    try:
+        if plan.delivered is not None:
+            rebuilt = await _project(ledger, rollout_id, views, plan.delivered)
+        if deliver == "all-chains":
+            for chain in plan.chains:
+                response = (
+                    rebuilt
+                    if plan.delivered is not None and chain.call_ids == plan.delivered.call_ids
+                    else await _project(ledger, rollout_id, views, chain)
+                )
+                trajectories.append(
+                    {"label": chain.label, "role": chain.role, "response": response}
+                )
+    except (ValueError, KeyError, IndexError, TypeError, AssertionError) as exc:
+        failed = True
+        rebuilt = None
+        trajectories = []
+        metrics["error"] = f"{type(exc).__name__}: {exc}"
+        if "build_failed" not in reasons:
+            reasons.append("build_failed")
+        terminal = metrics.get("terminal_attribution")
+        if isinstance(terminal, dict) and terminal.get("call_id"):
+            terminal["chain"] = "error"
+    metrics["mask_reasons"] = reasons
+    if "no_records" in reasons and not metrics.get("error"):
+        metrics["error"] = (
+            "capture contains no token records: the rollout's model calls did not reach the "
+            "proxy's /ng-rollout/<id>/training-token-capture/ route"
+        )
+    if rebuilt is not None:
+        metrics["prompt_tokens_delivered"] = rebuilt["usage"]["input_tokens"]
+    outcome = "failed" if failed else ("masked" if reasons else "delivered")
+    build: dict[str, Any] = {
+        "rollout_id": rollout_id,
+        "outcome": outcome,
+        "mask_sample": bool(reasons),
+        "mask_reasons": reasons,
+        "metrics": metrics,
+        "rebuilt_response": rebuilt,
+        "snapshot_id": views.snapshot_id,
+        "version": views.version,
+        "_capture_snapshot": {"snapshot_id": views.snapshot_id, "version": views.version},
+    }
+    if deliver == "all-chains":
+        build["trajectories"] = trajectories
+    return build

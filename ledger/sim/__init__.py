@@ -1,0 +1,50 @@
+"""A simulated vLLM 0.32 engine: the tests' fake upstream and the demo's model.
+
+Usage::
+
+    from ledger.sim import ByteTokenizer, SimEngine
+
+    engine = SimEngine(ByteTokenizer(), model_name="smol", max_model_len=2048)
+    engine.script("Hello there.")                      # next reply, exact text
+    engine.script_tool_call("get_weather", {"city": "Paris"})
+    engine.faults.next("http_500")                     # next generating request fails
+    app = engine.app                                   # ASGI app (httpx.ASGITransport, uvicorn)
+"""
+
+from ledger.sim.engine import (
+    VLLM_VERSION,
+    Fault,
+    FaultKind,
+    Faults,
+    RecordedRequest,
+    Reply,
+    Responder,
+    SimEngine,
+    SimRequest,
+    SimulatedDisconnect,
+    Tokenizer,
+    ToolCall,
+    create_sim_vllm_app,
+    engine_of,
+)
+from ledger.sim.server import ThreadedServer
+from ledger.sim.tokenizer import ByteTokenizer
+
+__all__ = [
+    "VLLM_VERSION",
+    "ByteTokenizer",
+    "Fault",
+    "FaultKind",
+    "Faults",
+    "RecordedRequest",
+    "Reply",
+    "Responder",
+    "SimEngine",
+    "SimRequest",
+    "SimulatedDisconnect",
+    "ThreadedServer",
+    "Tokenizer",
+    "ToolCall",
+    "create_sim_vllm_app",
+    "engine_of",
+]
