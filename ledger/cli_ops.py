@@ -138,7 +138,10 @@ def register(app: typer.Typer) -> None:
             err.print(f"[bold red]aborted:[/] {exc}")
             raise typer.Exit(3) from None
         for line, message in report.malformed_lines:
-            err.print(f"[yellow]warning:[/] {input}:{line}: malformed row skipped: {message}")
+            err.print(
+                f"[yellow]warning:[/] {input}:{line}: malformed row skipped: {message}",
+                soft_wrap=True,
+            )
         if as_json:
             print(json.dumps(report.as_dict(), indent=2))
         else:
