@@ -119,7 +119,7 @@ def parse_output(
         start = text.find(TOOL_CALL_OPEN, body)
         calls = _hermes_calls(text, body) if start >= 0 else None
         if calls:
-            content = text[body:start]
+            content = text[body:start] or None
             return ParsedOutput(content, reasoning, calls, ((body, start),), reasoning_span, True)
 
     answer: str | None = text[body:]

@@ -41,6 +41,8 @@ class Sample:
 
 @dataclass(frozen=True)
 class Chunk:
+    """One SSE chunk of one choice."""
+
     lo: int  # tokens [lo, hi)
     hi: int
     a: int  # text [a, b) those tokens reveal
@@ -83,8 +85,8 @@ class StreamPlan:
 
     def _call_delta(self, i: int, c: Chunk) -> dict[str, Any]:
         """vLLM's order: the name once (with id and type), then argument fragments."""
-        call = self.sample.parsed.tool_calls[i] if self.sample.parsed else None
-        assert call is not None
+        assert self.sample.parsed is not None
+        call = self.sample.parsed.tool_calls[i]
         entry: dict[str, Any] = {}
         if not self._named[i] and (call.name_at <= c.b or c.last):
             self._named[i] = True
@@ -131,7 +133,9 @@ def text_offsets(tokenizer: Tokenizer, ids: Sequence[int], limit: int) -> list[i
         whole = piece.rstrip("\ufffd")
         if whole == piece:  # ends on a character boundary: later decodes start here
             committed, start = committed + len(piece), k
-        ends.append(min(committed + (len(whole) if whole != piece else 0), limit))
+            ends.append(min(committed, limit))
+        else:
+            ends.append(min(committed + len(whole), limit))
     return ends
 
 
