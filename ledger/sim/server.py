@@ -16,7 +16,13 @@ class ThreadedServer:
     """`with ThreadedServer(app) as server: httpx.get(server.url + "/health")`."""
 
     def __init__(
-        self, app: Any, *, host: str = "127.0.0.1", port: int = 0, startup_timeout: float = 10.0
+        self,
+        app: Any,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        startup_timeout: float = 10.0,
+        lifespan: str = "off",
     ) -> None:
         import uvicorn  # a runtime dependency, imported only when a server is wanted
 
@@ -25,7 +31,7 @@ class ThreadedServer:
             host=host,
             port=port,
             log_level="warning",
-            lifespan="off",
+            lifespan=lifespan,
             # A hung request must not hold shutdown for ever.
             timeout_graceful_shutdown=2,
         )
@@ -43,7 +49,7 @@ class ThreadedServer:
         deadline = time.monotonic() + self._startup_timeout
         while not self._server.started:
             if not self._thread.is_alive():
-                raise RuntimeError("uvicorn exited during startup (is the port taken?)")
+                raise RuntimeError("uvicorn exited during startup (port taken? lifespan failed?)")
             if time.monotonic() > deadline:
                 self.stop()
                 raise TimeoutError(f"uvicorn did not start within {self._startup_timeout} s")

@@ -1,0 +1,167 @@
+"""The FastAPI application: capture proxy and ledger API in one process."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from contextlib import asynccontextmanager
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from api import errors
+from api.ledger_routes import router as ledger_router
+from api.metrics import Metrics
+from ledger import migrate
+from ledger.config import Settings
+from ledger.store import Ledger
+
+log = logging.getLogger("rollout_ledger.api")
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+
+class BodyLimit:
+    """Refuse request bodies over ``max_bytes`` with a 413 before any handler sees them."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = dict(scope.get("headers") or []).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            await self._too_large(send)
+            return
+        seen = 0
+        started = False
+
+        async def limited_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _TooLarge
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, limited_receive, tracking_send)
+        except _TooLarge:
+            if not started:
+                await self._too_large(send)
+
+    async def _too_large(self, send: Send) -> None:
+        resp = JSONResponse(
+            errors.error_body(
+                "payload_too_large",
+                f"request body exceeds the configured limit of {self.max_bytes} bytes "
+                "(max_body_bytes)",
+            ),
+            status_code=413,
+        )
+        await resp({"type": "http"}, _no_receive, send)
+
+
+class _TooLarge(Exception):
+    pass
+
+
+async def _no_receive() -> Message:
+    return {"type": "http.disconnect"}
+
+
+def create_app(
+    settings: Settings,
+    *,
+    ledger: Ledger | None = None,
+    upstream_transport: httpx.AsyncBaseTransport | None = None,
+) -> FastAPI:
+    """Build the app.  ``ledger``/``upstream_transport`` let tests inject real parts."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        own_ledger = ledger is None
+        app.state.ledger = ledger or Ledger(
+            settings.db, delta_records=settings.token_id_capture.delta_records, auto_migrate=True
+        )
+        await app.state.ledger.ensure_schema()
+        timeout = httpx.Timeout(
+            settings.upstream_timeout_s, connect=settings.upstream_connect_timeout_s
+        )
+        app.state.upstream = httpx.AsyncClient(
+            base_url=settings.upstream or "http://upstream.invalid",
+            timeout=timeout,
+            transport=upstream_transport,
+            limits=httpx.Limits(max_connections=512, max_keepalive_connections=128),
+        )
+        try:
+            yield
+        finally:
+            await app.state.upstream.aclose()
+            if own_ledger:
+                await app.state.ledger.close()
+
+    app = FastAPI(
+        title="rollout-ledger",
+        version="0.1.0",
+        summary="Capture proxy and SQL ledger for exact training tokens.",
+        lifespan=lifespan,
+    )
+    app.state.settings = settings
+    app.state.metrics = Metrics()
+    errors.install(app)
+    errors.install_http(app)
+    app.include_router(ledger_router)
+
+    @app.get("/healthz", tags=["ops"])
+    async def healthz(request: Request) -> JSONResponse:
+        """Database reachable and schema at head."""
+        led: Ledger = request.app.state.ledger
+        try:
+            current = await migrate.current_revision(led.url)
+        except Exception as exc:
+            return JSONResponse(
+                {"status": "unavailable", "database": f"unreachable: {type(exc).__name__}"},
+                status_code=503,
+            )
+        head = migrate.head_revision()
+        ok = current == head
+        return JSONResponse(
+            {
+                "status": "ok" if ok else "schema_behind",
+                "database": "ok",
+                "schema": current,
+                "head": head,
+                "upstream": settings.upstream,
+            },
+            status_code=200 if ok else 503,
+        )
+
+    @app.get("/metrics", tags=["ops"], include_in_schema=False)
+    async def metrics(request: Request) -> Response:
+        return Response(
+            generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST
+        )
+
+    from api.proxy import install_proxy
+
+    install_proxy(app, settings)
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    return app

@@ -1,0 +1,41 @@
+"""Bearer tokens with scopes (ingest, trainer, audit, admin) for the ledger API.
+
+Tokens come from the environment (see ``ledger.config``).  With no tokens configured every
+ledger route is open, and ``rollout-ledger serve`` then refuses to listen beyond loopback unless
+``--allow-unauthenticated`` is given.  Proxy routes never use these tokens: the harness's own
+``Authorization`` header is forwarded upstream untouched.
+"""
+
+from __future__ import annotations
+
+import hmac
+from collections.abc import Awaitable, Callable
+
+from fastapi import HTTPException, Request
+
+
+def require(scope: str) -> Callable[[Request], Awaitable[None]]:
+    async def check(request: Request) -> None:
+        tokens: dict[str, frozenset[str]] = request.app.state.settings.tokens
+        if not tokens:
+            return
+        header = request.headers.get("authorization", "")
+        kind, _, presented = header.partition(" ")
+        if kind.lower() != "bearer" or not presented:
+            raise HTTPException(
+                401,
+                detail=f"missing bearer token: this route needs a token with the '{scope}' scope",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        scopes = next(
+            (s for t, s in tokens.items() if hmac.compare_digest(t.encode(), presented.encode())),
+            None,
+        )
+        if scopes is None:
+            raise HTTPException(
+                401, detail="unknown bearer token", headers={"WWW-Authenticate": "Bearer"}
+            )
+        if scope not in scopes and "admin" not in scopes:
+            raise HTTPException(403, detail=f"this token lacks the '{scope}' scope")
+
+    return check

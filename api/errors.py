@@ -1,0 +1,82 @@
+"""The one place that maps the ledger's exception tree to HTTP status codes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+
+from ledger.errors import (
+    AccessDenied,
+    InvalidInput,
+    LedgerError,
+    NotFound,
+    RolloutRetired,
+    StateConflict,
+    Unavailable,
+)
+
+STATUS: list[tuple[type[LedgerError], int]] = [
+    (RolloutRetired, 410),
+    (StateConflict, 409),
+    (NotFound, 404),
+    (AccessDenied, 403),
+    (InvalidInput, 422),
+    (Unavailable, 503),
+]
+
+
+def status_for(exc: LedgerError) -> int:
+    for cls, code in STATUS:
+        if isinstance(exc, cls):
+            return code
+    return 500
+
+
+def error_body(code: str, message: str, **extra: Any) -> dict[str, Any]:
+    return {"error": {"code": code, "message": message, **extra}}
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(LedgerError)
+    async def _ledger_error(_request: Request, exc: LedgerError) -> JSONResponse:
+        extra = {"rollout_id": exc.rollout_id} if exc.rollout_id else {}
+        return JSONResponse(error_body(exc.code, exc.message, **extra), status_code=status_for(exc))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        problems = []
+        for err in exc.errors()[:10]:
+            loc = ".".join(str(p) for p in err.get("loc", ()))
+            problems.append({"field": loc, "message": str(err.get("msg", ""))})
+        first = problems[0] if problems else {"field": "", "message": "invalid request"}
+        return JSONResponse(
+            error_body(
+                "invalid_request",
+                f"{first['field']}: {first['message']}" if first["field"] else first["message"],
+                problems=problems,
+            ),
+            status_code=422,
+        )
+
+
+def install_http(app: FastAPI) -> None:
+    """Give HTTPException (auth, size limits, not found) the same error body shape."""
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        code = {
+            401: "unauthorized",
+            403: "forbidden",
+            404: "not_found",
+            405: "method_not_allowed",
+            413: "payload_too_large",
+        }.get(exc.status_code, f"http_{exc.status_code}")
+        return JSONResponse(
+            error_body(code, str(exc.detail)),
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )

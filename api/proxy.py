@@ -1,0 +1,577 @@
+"""The capture proxy (design §5.1, §5.2): routing, custody, capture and answering.
+
+``/ng-rollout/<id>/training-token-capture/<rest>`` is training capture: an intent is recorded
+before dispatch (if it cannot be, the call fails with 503 and nothing goes upstream), the
+upstream is asked for token ids, the record is committed before the harness gets its answer,
+and the answer goes back in the harness's dialect (JSON, or SSE replayed from the complete
+response).  Capture never fails the call: a response without ids, a malformed payload or a
+failed write marks the rollout incomplete with its reason.
+
+``/ng-rollout/<id>/<rest>`` is evaluation correlation and any other path is plain
+pass-through: forwarded as is (streamed both ways), nothing recorded.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request, Response
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.background import BackgroundTask
+
+from api import dialects as d
+from api.extract import (
+    MalformedTokenPayload,
+    StrippedResponse,
+    TokenExtractionError,
+    TokenPayload,
+    extract_chat_tokens,
+    extract_completion_tokens,
+    strip_chat_response,
+    strip_completion_response,
+    tokenize_request_body,
+    with_tokenized_prompt,
+)
+from api.metrics import Metrics
+from ledger.config import NonGeneratingRoute, Settings
+from ledger.errors import LedgerError, RolloutFrozen
+from ledger.fingerprint import continuation_fingerprint, model_authored_fingerprint
+from ledger.ids import ALLOWED_ID_TEXT, is_valid_id
+from ledger.store import Ledger
+
+log = logging.getLogger("rollout_ledger.proxy")
+
+TRAINING = "training-token-capture"
+PREFIX_RE = re.compile(
+    r"^/ng-rollout/(?P<id>[^/]*)(?P<training>/training-token-capture)?(?P<rest>/.*)?$"
+)
+HOP_BY_HOP = frozenset(
+    {
+        "connection",
+        "keep-alive",
+        "proxy-authenticate",
+        "proxy-authorization",
+        "te",
+        "trailers",
+        "transfer-encoding",
+        "upgrade",
+        "host",
+        "content-length",
+    }
+)
+GENERATING: dict[str, d.Dialect] = {
+    "/v1/chat/completions": d.Dialect.CHAT,
+    "/v1/completions": d.Dialect.COMPLETIONS,
+    "/v1/responses": d.Dialect.RESPONSES,
+    "/v1/messages": d.Dialect.ANTHROPIC,
+}
+COUNT_TOKENS = "/v1/messages/count_tokens"
+# Routes of a vLLM upstream whose successful answers cannot carry policy text.
+DEFAULT_NON_GENERATING = (
+    ("GET", "/v1/models"),
+    ("POST", "/tokenize"),
+    ("POST", "/detokenize"),
+    ("GET", "/health"),
+    ("GET", "/version"),
+    ("GET", "/ping"),
+    ("HEAD", "/api/hello"),
+    ("GET", "/api/hello"),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class CallContext:
+    rollout_id: str
+    model_call_id: str
+    dialect: d.Dialect
+    route: str
+    request_fingerprint: str
+    request_items: list[dict[str, Any]]
+
+
+def _declared(settings: Settings) -> frozenset[tuple[str, str]]:
+    extra = [(r.method, r.path) for r in settings.token_id_capture_non_generating_requests]
+    return frozenset([*DEFAULT_NON_GENERATING, *extra])
+
+
+def install_proxy(app: FastAPI, settings: Settings) -> None:
+    """Register the catch-all proxy route (after the ledger API, so those paths win)."""
+    declared = _declared(settings)
+    # Validate declarations once more at startup (config already refuses bad ones).
+    for method, path in declared:
+        NonGeneratingRoute(method=method, path=path)
+
+    @app.api_route(
+        "/{full_path:path}",
+        methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"],
+        include_in_schema=False,
+    )
+    async def proxy(request: Request, full_path: str) -> Response:
+        path = "/" + full_path
+        if settings.upstream is None:
+            return _no_upstream(path)
+        match = PREFIX_RE.match(path)
+        if match is None:
+            return await _forward(request, path)
+        rollout_id = match.group("id")
+        if not is_valid_id(rollout_id):
+            return JSONResponse(
+                {
+                    "error": {
+                        "code": "invalid_rollout_id",
+                        "message": (
+                            f"rollout id in the URL must be {ALLOWED_ID_TEXT}; got {rollout_id!r}"
+                        ),
+                    }
+                },
+                status_code=400,
+            )
+        rest = match.group("rest") or "/"
+        if not match.group("training"):
+            return await _forward(request, rest)
+        return await _capture(request, rollout_id, rest, settings, declared)
+
+
+def _no_upstream(path: str) -> JSONResponse:
+    return JSONResponse(
+        {
+            "error": {
+                "code": "no_upstream",
+                "message": (
+                    f"no upstream is configured, so {path} cannot be proxied: start the "
+                    "service with --upstream URL (for example http://127.0.0.1:8000/v1)"
+                ),
+            }
+        },
+        status_code=503,
+    )
+
+
+def _upstream_headers(request: Request) -> dict[str, str]:
+    """The harness's headers minus hop-by-hop ones; its credentials pass through untouched."""
+    headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
+    if "authorization" not in {k.lower() for k in headers} and "x-api-key" in request.headers:
+        headers["authorization"] = f"Bearer {request.headers['x-api-key']}"
+    return headers
+
+
+async def _forward(request: Request, path: str) -> Response:
+    """Plain pass-through: stream the request up and the answer back, record nothing."""
+    client: httpx.AsyncClient = request.app.state.upstream
+    upstream_req = client.build_request(
+        request.method,
+        path,
+        params=request.url.query or None,
+        headers=_upstream_headers(request),
+        content=request.stream(),
+    )
+    try:
+        upstream = await client.send(upstream_req, stream=True)
+    except httpx.TimeoutException as exc:
+        return JSONResponse({"error": {"code": "upstream_timeout", "message": str(exc)}}, 504)
+    except httpx.HTTPError as exc:
+        return JSONResponse({"error": {"code": "upstream_unavailable", "message": str(exc)}}, 502)
+    headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
+    headers.pop("content-encoding", None)
+    return StreamingResponse(
+        upstream.aiter_raw(),
+        status_code=upstream.status_code,
+        headers=headers,
+        background=BackgroundTask(upstream.aclose),
+    )
+
+
+# --------------------------------------------------------------------------- capture
+
+
+async def _capture(
+    request: Request,
+    rollout_id: str,
+    rest: str,
+    settings: Settings,
+    declared: frozenset[tuple[str, str]],
+) -> Response:
+    method = request.method.upper()
+    if method == "POST" and rest == COUNT_TOKENS:
+        return await _count_tokens(request)
+    dialect = GENERATING.get(rest) if method == "POST" else None
+    if dialect is None:
+        return await _non_generating(request, rollout_id, method, rest, declared)
+    ledger: Ledger = request.app.state.ledger
+    metrics: Metrics = request.app.state.metrics
+    try:
+        body = json.loads(await request.body())
+        if not isinstance(body, dict):
+            raise d.InvalidRequest("the request body must be a JSON object")
+        upstream = _build_upstream(dialect, body, settings)
+    except ValueError as exc:  # JSON errors and DialectError are ValueErrors
+        error = (
+            exc
+            if isinstance(exc, d.DialectError)
+            else d.InvalidRequest(f"the request body is not valid JSON: {exc}")
+        )
+        metrics.proxy_calls.labels(dialect.value, "bad_request").inc()
+        return _error_response(d.request_error_reply(dialect, error), stream=False, dialect=dialect)
+    items = _request_items(dialect, body)
+    ctx = CallContext(
+        rollout_id=rollout_id,
+        model_call_id=uuid.uuid4().hex,
+        dialect=dialect,
+        route=f"POST {rest}",
+        request_fingerprint=_fingerprint(items),
+        request_items=items,
+    )
+    try:
+        await ledger.begin_call(
+            rollout_id, ctx.model_call_id, route=ctx.route, model=str(body.get("model") or "")
+        )
+    except LedgerError as exc:
+        metrics.proxy_calls.labels(dialect.value, "no_custody").inc()
+        log.error("intent not recorded rollout=%s call=%s: %s", rollout_id, ctx.model_call_id, exc)
+        return _custody_failure(dialect, exc)
+    answer = await _call_upstream(request, ctx, upstream, metrics)
+    if isinstance(answer, Response):
+        return answer
+    stripped = await _record(request, ctx, upstream, answer, ledger, metrics)
+    metrics.proxy_calls.labels(dialect.value, "ok").inc()
+    return _answer(dialect, upstream, stripped.harness_body, body)
+
+
+def _build_upstream(
+    dialect: d.Dialect, body: dict[str, Any], settings: Settings
+) -> d.UpstreamRequest:
+    pins = settings.sampling_overrides
+    if dialect is d.Dialect.CHAT:
+        return d.build_chat_upstream(body, sampling_overrides=pins)
+    if dialect is d.Dialect.COMPLETIONS:
+        return d.build_completions_upstream(body, sampling_overrides=pins)
+    if dialect is d.Dialect.RESPONSES:
+        return d.build_responses_upstream(body, sampling_overrides=pins)
+    return d.build_anthropic_upstream(body, sampling_overrides=pins)
+
+
+def _request_items(dialect: d.Dialect, body: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The conversation items of a request, for the model-authored fingerprint."""
+    key = "input" if dialect is d.Dialect.RESPONSES else "messages"
+    items = body.get(key)
+    if not isinstance(items, list):
+        return []
+    return [i for i in items if isinstance(i, dict)]
+
+
+def _fingerprint(items: list[dict[str, Any]]) -> str:
+    try:
+        return model_authored_fingerprint(items)
+    except (TypeError, ValueError):
+        return ""
+
+
+async def _call_upstream(
+    request: Request, ctx: CallContext, upstream: d.UpstreamRequest, metrics: Metrics
+) -> dict[str, Any] | Response:
+    """POST upstream; on failure answer in the dialect and settle the intent."""
+    client: httpx.AsyncClient = request.app.state.upstream
+    ledger: Ledger = request.app.state.ledger
+    started = time.perf_counter()
+    try:
+        resp = await client.post(upstream.path, json=upstream.body, headers=_auth_headers(request))
+        raw = resp.content
+    except (httpx.HTTPError, ConnectionError) as exc:
+        timeout = isinstance(exc, httpx.TimeoutException)
+        kind = "timeout" if timeout else "transport"
+        metrics.upstream_errors.labels(kind).inc()
+        await _settle(ledger, ctx, "upstream_error", f"{kind}: {exc}")
+        reply = d.transport_error_reply(ctx.dialect, timeout=timeout, detail=str(exc) or kind)
+        return _error_response(reply, stream=upstream.stream, dialect=ctx.dialect)
+    finally:
+        metrics.upstream_seconds.labels(upstream.path).observe(time.perf_counter() - started)
+    if resp.status_code >= 400:
+        error = d.parse_upstream_error(resp.status_code, raw)
+        metrics.upstream_errors.labels(str(resp.status_code)).inc()
+        if resp.status_code < 500:
+            # The engine refused the request: nothing was generated, so the intent is closed.
+            await _cancel(ledger, ctx)
+        else:
+            await _settle(
+                ledger, ctx, "upstream_error", f"HTTP {resp.status_code}: {error.message}"
+            )
+        reply = d.upstream_error_reply(ctx.dialect, error)
+        return _error_response(reply, stream=upstream.stream, dialect=ctx.dialect)
+    try:
+        answer = json.loads(raw)
+        if not isinstance(answer, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as exc:
+        metrics.upstream_errors.labels("bad_json").inc()
+        await _settle(ledger, ctx, "malformed_token_payload", f"upstream answer is not JSON: {exc}")
+        reply = d.transport_error_reply(ctx.dialect, timeout=False, detail="invalid JSON answer")
+        return _error_response(reply, stream=upstream.stream, dialect=ctx.dialect)
+    return answer
+
+
+def _auth_headers(request: Request) -> dict[str, str]:
+    headers = _upstream_headers(request)
+    keep = {"authorization", "openai-organization", "openai-project", "x-request-id"}
+    return {k: v for k, v in headers.items() if k.lower() in keep}
+
+
+async def _settle(ledger: Ledger, ctx: CallContext, reason: str, detail: str) -> None:
+    """Mark the rollout incomplete; a failure to do so is logged, never raised."""
+    try:
+        await ledger.mark_incomplete(
+            ctx.rollout_id, ctx.model_call_id, reason=reason, detail=detail
+        )
+    except RolloutFrozen:
+        pass
+    except LedgerError as exc:
+        log.error("could not mark rollout=%s incomplete (%s): %s", ctx.rollout_id, reason, exc)
+
+
+async def _cancel(ledger: Ledger, ctx: CallContext) -> None:
+    try:
+        await ledger.cancel_call(ctx.rollout_id, ctx.model_call_id)
+    except LedgerError as exc:
+        log.warning(
+            "could not cancel intent rollout=%s call=%s: %s", ctx.rollout_id, ctx.model_call_id, exc
+        )
+
+
+async def _record(
+    request: Request,
+    ctx: CallContext,
+    upstream: d.UpstreamRequest,
+    answer: dict[str, Any],
+    ledger: Ledger,
+    metrics: Metrics,
+) -> StrippedResponse:
+    """Extract, cross-check and commit the call's record; never raises."""
+    chat = upstream.dialect is not d.Dialect.COMPLETIONS
+    strip = strip_chat_response if chat else strip_completion_response
+    stripped = strip(answer, keep_logprobs=upstream.keep_logprobs)
+    try:
+        payload = (extract_chat_tokens if chat else extract_completion_tokens)(answer)
+        if payload.needs_tokenize:
+            payload = await _tokenize(request, upstream, payload, answer)
+    except TokenExtractionError as exc:
+        await _settle(ledger, ctx, exc.reason, str(exc))
+        metrics.incomplete.labels(exc.reason).inc()
+        return stripped
+    record = _entry(ctx, payload, stripped, answer)
+    try:
+        cont = continuation_fingerprint(ctx.request_items, stripped.output_items)
+    except (TypeError, ValueError):
+        cont = ""
+    try:
+        result = await ledger.put(
+            record,
+            route=ctx.route,
+            request_fingerprint=ctx.request_fingerprint,
+            continuation_fingerprint=cont,
+        )
+        log.info(
+            "captured rollout=%s call=%s dialect=%s prompt=%d gen=%d parent=%s",
+            ctx.rollout_id,
+            ctx.model_call_id,
+            ctx.dialect.value,
+            len(record["prompt_token_ids"]),
+            len(record["generation_token_ids"]),
+            result.parent_call_id,
+        )
+    except RolloutFrozen:
+        # Frozen while in flight (the harness was stopped): freeze already judged this call
+        # from its intent; changing the frozen state would break conditional retirement.
+        log.warning("late record dropped rollout=%s call=%s", ctx.rollout_id, ctx.model_call_id)
+    except LedgerError as exc:
+        await _settle(ledger, ctx, "capture_failed", f"{type(exc).__name__}: {exc}")
+        metrics.incomplete.labels("capture_failed").inc()
+    return stripped
+
+
+async def _tokenize(
+    request: Request, upstream: d.UpstreamRequest, payload: TokenPayload, answer: dict[str, Any]
+) -> TokenPayload:
+    client: httpx.AsyncClient = request.app.state.upstream
+    try:
+        resp = await client.post(
+            "/tokenize", json=tokenize_request_body(upstream.body), headers=_auth_headers(request)
+        )
+        resp.raise_for_status()
+        tokenized = resp.json()
+    except (httpx.HTTPError, ValueError) as exc:
+        raise MalformedTokenPayload(f"no inline prompt ids and /tokenize failed: {exc}") from exc
+    return with_tokenized_prompt(payload, tokenized, usage=answer.get("usage"))
+
+
+def _entry(
+    ctx: CallContext, payload: TokenPayload, stripped: StrippedResponse, answer: Mapping[str, Any]
+) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "schema_version": 1,
+        "rollout_id": ctx.rollout_id,
+        "model_call_id": ctx.model_call_id,
+        "model": str(answer.get("model") or ""),
+        "prompt_token_ids": payload.prompt_token_ids,
+        "generation_token_ids": payload.generation_token_ids,
+        "generation_log_probs": payload.generation_log_probs,
+        "routed_experts": payload.routed_experts,
+        "output_items": stripped.output_items,
+        "token_item_index": stripped.token_item_index,
+        "created_at": time.time(),
+        "response_id": stripped.response_id,
+    }
+    if payload.prompt_source == "tokenize":
+        entry["prompt_source"] = "tokenize"
+    return entry
+
+
+# --------------------------------------------------------------------------- answers
+
+
+def _answer(
+    dialect: d.Dialect,
+    upstream: d.UpstreamRequest,
+    body: dict[str, Any],
+    request_body: dict[str, Any],
+) -> Response:
+    if dialect is d.Dialect.ANTHROPIC:
+        out = d.chat_to_anthropic_message(body)
+        frames: Iterator[bytes] | None = d.anthropic_sse(out) if upstream.stream else None
+    elif dialect is d.Dialect.RESPONSES:
+        out = d.chat_to_responses_response(body, request=request_body)
+        frames = d.responses_sse(out) if upstream.stream else None
+    elif dialect is d.Dialect.COMPLETIONS:
+        out = body
+        frames = (
+            d.completion_sse(out, include_usage=upstream.include_usage) if upstream.stream else None
+        )
+    else:
+        out = body
+        frames = (
+            d.chat_completion_sse(out, include_usage=upstream.include_usage)
+            if upstream.stream
+            else None
+        )
+    if frames is None:
+        return JSONResponse(out)
+    return StreamingResponse(
+        _aiter(list(frames)), media_type=d.SSE_MEDIA_TYPE, headers={"cache-control": "no-cache"}
+    )
+
+
+async def _aiter(frames: list[bytes]) -> AsyncIterator[bytes]:
+    for frame in frames:
+        yield frame
+
+
+def _error_response(reply: d.ErrorReply, *, stream: bool, dialect: d.Dialect) -> Response:
+    if stream and dialect is d.Dialect.RESPONSES:
+        # Codex expects a failed stream on HTTP 200, not an HTTP error.
+        identity = {
+            "id": f"resp_failed_{uuid.uuid4().hex}",
+            "object": "response",
+            "created_at": int(time.time()),
+            "model": None,
+            "output": [],
+        }
+        frames = list(
+            d.responses_failed_sse(identity, code=reply.failure_code, message=reply.message)
+        )
+        return StreamingResponse(_aiter(frames), media_type=d.SSE_MEDIA_TYPE)
+    return JSONResponse(reply.body, status_code=reply.status)
+
+
+def _custody_failure(dialect: d.Dialect, exc: LedgerError) -> Response:
+    message = (
+        f"the capture ledger could not record this call before dispatch ({exc.message}); "
+        "the call was not sent to the model"
+    )
+    if dialect is d.Dialect.ANTHROPIC:
+        body: dict[str, Any] = {"type": "error", "error": {"type": "api_error", "message": message}}
+    else:
+        body = {
+            "error": {
+                "message": message,
+                "type": "server_error",
+                "param": None,
+                "code": "capture_unavailable",
+            }
+        }
+    status = 409 if isinstance(exc, RolloutFrozen) else 503
+    return JSONResponse(body, status_code=status)
+
+
+# --------------------------------------------------------------------------- other routes
+
+
+async def _count_tokens(request: Request) -> Response:
+    """Anthropic ``count_tokens``: answered from the upstream's ``/tokenize``."""
+    client: httpx.AsyncClient = request.app.state.upstream
+    try:
+        body = json.loads(await request.body())
+        tokenize = d.anthropic_count_tokens_tokenize_body(body)
+    except ValueError as exc:
+        message = exc.message if isinstance(exc, d.DialectError) else f"invalid JSON: {exc}"
+        return JSONResponse(
+            {"type": "error", "error": {"type": "invalid_request_error", "message": message}},
+            status_code=400,
+        )
+    try:
+        resp = await client.post("/tokenize", json=tokenize, headers=_auth_headers(request))
+    except httpx.HTTPError as exc:
+        reply = d.transport_error_reply(
+            d.Dialect.ANTHROPIC, timeout=isinstance(exc, httpx.TimeoutException), detail=str(exc)
+        )
+        return JSONResponse(reply.body, status_code=reply.status)
+    if resp.status_code >= 400:
+        reply = d.upstream_error_reply(
+            d.Dialect.ANTHROPIC, d.parse_upstream_error(resp.status_code, resp.content)
+        )
+        return JSONResponse(reply.body, status_code=reply.status)
+    return JSONResponse(d.anthropic_count_tokens_response(resp.json()))
+
+
+async def _non_generating(
+    request: Request,
+    rollout_id: str,
+    method: str,
+    rest: str,
+    declared: frozenset[tuple[str, str]],
+) -> Response:
+    """Forward an unrecognised training route; mark incomplete unless provably harmless.
+
+    404/405 cannot have produced policy text.  A declared (method, path) passes when it
+    succeeds.  Any other outcome (2xx/3xx of an undeclared route, 5xx, an exception, no
+    response) may have put policy text in front of the harness: the rollout is incomplete.
+    """
+    ledger: Ledger = request.app.state.ledger
+    route = f"{method} {rest}"
+    try:
+        response = await _forward(request, rest)
+    except Exception as exc:
+        await _mark_route(ledger, rollout_id, route, f"exception: {exc}")
+        raise
+    status = response.status_code
+    harmless = status in (404, 405) or ((method, rest) in declared and 200 <= status < 300)
+    if not harmless:
+        await _mark_route(ledger, rollout_id, route, f"status {status}")
+    return response
+
+
+async def _mark_route(ledger: Ledger, rollout_id: str, route: str, outcome: str) -> None:
+    try:
+        await ledger.mark_incomplete(
+            rollout_id,
+            reason="unrecognized_route",
+            detail=f"{route} -> {outcome}; declare it in token_id_capture_non_generating_requests "
+            "only if its answers can never carry policy-generated text",
+        )
+    except LedgerError as exc:
+        log.error("could not mark rollout=%s incomplete for %s: %s", rollout_id, route, exc)
