@@ -17,6 +17,8 @@ import pytest
 from ledger import migrate
 from ledger.store import Ledger
 
+pytest_plugins = ["tests.proxy_support"]
+
 PG_URL = os.environ.get("ROLLOUT_LEDGER_TEST_PG_URL", "")
 REQUIRE_PG = os.environ.get("ROLLOUT_LEDGER_REQUIRE_PG") == "1"
 BACKENDS = ["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]

@@ -6,7 +6,7 @@ from collections.abc import Callable
 
 import openai
 
-from tests.proxy_support import Stack, delivered, sampled_chain, stack  # noqa: F401
+from tests.proxy_support import Stack, delivered, sampled_chain
 
 Rid = Callable[[str], str]
 
