@@ -364,6 +364,8 @@ async def _record(
         await _settle(ledger, ctx, exc.reason, str(exc))
         metrics.incomplete.labels(exc.reason).inc()
         return stripped
+    if chat:
+        stripped = _as_response_items(stripped)
     record = _entry(ctx, payload, stripped, answer)
     try:
         cont = continuation_fingerprint(ctx.request_items, stripped.output_items)
@@ -393,6 +395,19 @@ async def _record(
         await _settle(ledger, ctx, "capture_failed", f"{type(exc).__name__}: {exc}")
         metrics.incomplete.labels("capture_failed").inc()
     return stripped
+
+
+def _as_response_items(stripped: StrippedResponse) -> StrippedResponse:
+    """Record a chat answer as Responses output items (a message with ``output_text`` parts,
+    ``function_call`` items, a ``reasoning`` item): the shape the projection delivers to the
+    trainer.  The tokens belong to the last item, as in NeMo Gym's model server."""
+    try:
+        items = d.chat_to_responses_response(stripped.harness_body)["output"]
+    except (ValueError, KeyError, TypeError):
+        return stripped
+    if not items:
+        return stripped
+    return StrippedResponse(stripped.harness_body, items, stripped.response_id, len(items) - 1)
 
 
 async def _tokenize(

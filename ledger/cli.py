@@ -159,7 +159,6 @@ def _register_subcommands() -> None:
     from ledger import cli_ops
 
     cli_ops.register(app)
-    cli_ops.register_serve(app)
 
 
 _register_subcommands()

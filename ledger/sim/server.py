@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 import time
 from types import TracebackType
-from typing import Any
+from typing import Any, Literal
 
 
 class ThreadedServer:
@@ -22,7 +22,7 @@ class ThreadedServer:
         host: str = "127.0.0.1",
         port: int = 0,
         startup_timeout: float = 10.0,
-        lifespan: str = "off",
+        lifespan: Literal["auto", "on", "off"] = "off",
     ) -> None:
         import uvicorn  # a runtime dependency, imported only when a server is wanted
 
