@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import asyncio
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 from alembic import command
@@ -25,13 +28,35 @@ def alembic_config(url: str) -> Config:
     return cfg
 
 
+def _off_loop(fn: Callable[[], None]) -> None:
+    """Alembic's env runs its own event loop: from inside a running loop, use a thread."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        fn()
+        return
+    errors: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            fn()
+        except BaseException as exc:
+            errors.append(exc)
+
+    worker = threading.Thread(target=run, name="rollout-ledger-migrate")
+    worker.start()
+    worker.join()
+    if errors:
+        raise errors[0]
+
+
 def upgrade(url: str, revision: str = "head") -> None:
     """Migrate to ``revision``; safe to run from several processes at once."""
-    command.upgrade(alembic_config(url), revision)
+    _off_loop(lambda: command.upgrade(alembic_config(url), revision))
 
 
 def downgrade(url: str, revision: str) -> None:
-    command.downgrade(alembic_config(url), revision)
+    _off_loop(lambda: command.downgrade(alembic_config(url), revision))
 
 
 def head_revision() -> str | None:

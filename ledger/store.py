@@ -12,10 +12,10 @@ import asyncio
 import contextlib
 import re
 import uuid
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any, cast
+from typing import Any, TypeVar, cast
 
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
@@ -67,6 +67,7 @@ Q = cast(sa.Table, QuarantineRow.__table__)
 IE = cast(sa.Table, IncompleteEvent.__table__)
 D = cast(sa.Table, Delivery.__table__)
 
+_T = TypeVar("_T")
 _REASON_RE = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
 # Arrays above this many tokens are packed and hashed in a worker thread (keeps the loop free).
 _OFFLOAD_TOKENS = 20_000
@@ -193,6 +194,7 @@ class Ledger:
         *,
         delta_records: bool = True,
         auto_migrate: bool = False,
+        group_commit: bool | None = None,
         engine: AsyncEngine | None = None,
     ):
         self.engine = engine or make_engine(url)
@@ -203,8 +205,13 @@ class Ledger:
 
         self._schema_ready = False
         self._schema_lock = asyncio.Lock()
+        if group_commit is None:
+            group_commit = self.dialect == "sqlite"
+        self._group = _GroupCommit(self) if group_commit else None
 
     async def close(self) -> None:
+        if self._group is not None:
+            await self._group.close()
         await self.engine.dispose()
 
     async def ensure_schema(self) -> None:
@@ -229,15 +236,21 @@ class Ledger:
             yield
         except LedgerError:
             raise
-        except IntegrityError as exc:
-            raise InvalidInput(f"the database refused the write: {exc.orig}") from exc
-        except (OperationalError, DBAPIError, OSError, ConnectionError) as exc:
-            raise Unavailable(f"ledger database unavailable: {exc}") from exc
         except Exception as exc:
-            # asyncpg raises its own connection errors outside SQLAlchemy's wrapping on connect.
-            if type(exc).__module__.startswith("asyncpg"):
-                raise Unavailable(f"ledger database unavailable: {exc}") from exc
-            raise
+            translated = _translate_error(exc)
+            if translated is exc:
+                raise
+            raise translated from exc
+
+    async def _transact(self, body: Callable[[AsyncConnection], Awaitable[_T]]) -> _T:
+        """Run ``body`` in one write transaction (SQLite: possibly shared with concurrent
+        writers through group commit); return only after it committed."""
+        if self.auto_migrate and not self._schema_ready:
+            await self.ensure_schema()
+        if self._group is not None:
+            return await self._group.submit(body)
+        async with self._write() as conn:
+            return await body(conn)
 
     @contextlib.asynccontextmanager
     async def _write(self) -> AsyncIterator[AsyncConnection]:
@@ -318,7 +331,8 @@ class Ledger:
         Returns False when the call id was already registered (an idempotent repeat)."""
         validate_rollout_id(rollout_id)
         validate_call_id(model_call_id)
-        async with self._write() as conn:
+
+        async def body(conn: AsyncConnection) -> bool:
             state = await self._lock_rollout(conn, rollout_id)
             self._refuse_if_closed(state, "begin_call")
             res = await conn.execute(
@@ -334,11 +348,14 @@ class Ledger:
             )
             return bool(res.rowcount)
 
+        return await self._transact(body)
+
     async def cancel_call(self, rollout_id: str, model_call_id: str) -> bool:
         """Close an intent for a call that ended without generating; True if one was open."""
         validate_rollout_id(rollout_id)
         validate_call_id(model_call_id)
-        async with self._write() as conn:
+
+        async def body(conn: AsyncConnection) -> bool:
             state = await self._lock_rollout(conn, rollout_id)
             self._refuse_if_closed(state, "cancel_call")
             res = await conn.execute(
@@ -351,6 +368,8 @@ class Ledger:
                 .values(status="cancelled")
             )
             return bool(res.rowcount)
+
+        return await self._transact(body)
 
     async def put(
         self,
@@ -373,8 +392,8 @@ class Ledger:
         else:
             prep = _prepare(entry)
         rid, cid = entry.rollout_id, entry.model_call_id
-        conflict: PayloadConflict | None = None
-        async with self._write() as conn:
+
+        async def body(conn: AsyncConnection) -> PutResult | _Deferred:
             state = await self._lock_rollout(conn, rid)
             existing = (
                 await conn.execute(
@@ -389,22 +408,29 @@ class Ledger:
                 if state.state == "open":
                     detail = f"model call id {cid!r} was reused with a different payload"
                     await self._add_incomplete(conn, rid, cid, "conflicting_payload", detail)
-                    conflict = PayloadConflict(
-                        f"model call id {cid!r} was reused with a different payload for rollout "
-                        f"{rid!r}; the first record is kept and the rollout is marked incomplete",
-                        rollout_id=rid,
+                    # Commit the incomplete mark, then refuse: the first record stays.
+                    return _Deferred(
+                        PayloadConflict(
+                            f"model call id {cid!r} was reused with a different payload for "
+                            f"rollout {rid!r}; the first record is kept and the rollout is marked "
+                            "incomplete",
+                            rollout_id=rid,
+                        )
                     )
-            if conflict is None:
-                self._refuse_if_closed(state, f"record for call {cid!r}")
-                return await self._insert_record(
-                    conn,
-                    prep,
-                    existing.id if existing is not None else None,
-                    route=route,
-                    request_fingerprint=request_fingerprint,
-                    continuation_fingerprint=continuation_fingerprint,
-                )
-        raise conflict
+            self._refuse_if_closed(state, f"record for call {cid!r}")
+            return await self._insert_record(
+                conn,
+                prep,
+                existing.id if existing is not None else None,
+                route=route,
+                request_fingerprint=request_fingerprint,
+                continuation_fingerprint=continuation_fingerprint,
+            )
+
+        out = await self._transact(body)
+        if isinstance(out, _Deferred):
+            raise out.error
+        return out
 
     async def _insert_record(
         self,
@@ -705,7 +731,8 @@ class Ledger:
         if model_call_id:
             validate_call_id(model_call_id)
         _validate_reason(reason)
-        async with self._write() as conn:
+
+        async def body(conn: AsyncConnection) -> int:
             state = await self._lock_rollout(conn, rollout_id)
             if state.state == "retired":
                 raise RolloutRetired(
@@ -713,6 +740,8 @@ class Ledger:
                     rollout_id=rollout_id,
                 )
             return await self._add_incomplete(conn, rollout_id, model_call_id, reason, detail)
+
+        return await self._transact(body)
 
     async def _freeze_in(self, conn: AsyncConnection, rollout_id: str) -> RolloutState:
         state = await self._lock_rollout(conn, rollout_id)
@@ -759,14 +788,18 @@ class Ledger:
     async def freeze_state(self, rollout_id: str) -> RolloutState:
         """Freeze (idempotent) and return only the snapshot identity."""
         validate_rollout_id(rollout_id)
-        async with self._write() as conn:
+
+        async def body(conn: AsyncConnection) -> RolloutState:
             return await self._freeze_in(conn, rollout_id)
+
+        return await self._transact(body)
 
     async def freeze(self, rollout_id: str) -> FrozenSnapshot:
         """Freeze and return full-prompt entries, incomplete flag, snapshot id and version from
         one consistent read (§4.4).  Unknown rollouts freeze empty (and stay frozen)."""
         validate_rollout_id(rollout_id)
-        async with self._write() as conn:
+
+        async def body(conn: AsyncConnection) -> FrozenSnapshot:
             state = await self._freeze_in(conn, rollout_id)
             rows = (
                 await conn.execute(
@@ -778,9 +811,15 @@ class Ledger:
             ).all()
             entries, broken = _entries_from_rows(rows)
             state = await self._record_broken(conn, state, broken)
-        return FrozenSnapshot(
-            rollout_id, tuple(entries), state.incomplete, state.snapshot_id or "", state.version
-        )
+            return FrozenSnapshot(
+                rollout_id,
+                tuple(entries),
+                state.incomplete,
+                state.snapshot_id or "",
+                state.version,
+            )
+
+        return await self._transact(body)
 
     async def _record_broken(
         self, conn: AsyncConnection, state: RolloutState, broken: Sequence[tuple[str, str]]
@@ -809,7 +848,8 @@ class Ledger:
     async def freeze_views(self, rollout_id: str) -> SnapshotViews:
         """Freeze and return call metadata and proven edges (no token arrays) in one read."""
         validate_rollout_id(rollout_id)
-        async with self._write() as conn:
+
+        async def body(conn: AsyncConnection) -> SnapshotViews:
             state = await self._freeze_in(conn, rollout_id)
             calls = (
                 await conn.execute(
@@ -834,15 +874,17 @@ class Ledger:
                 .scalars()
                 .all()
             )
-        return SnapshotViews(
-            rollout_id,
-            tuple(_views(calls, edges)),
-            len(calls),
-            state.incomplete,
-            state.snapshot_id or "",
-            state.version,
-            tuple(sorted(reasons)),
-        )
+            return SnapshotViews(
+                rollout_id,
+                tuple(_views(calls, edges)),
+                len(calls),
+                state.incomplete,
+                state.snapshot_id or "",
+                state.version,
+                tuple(sorted(reasons)),
+            )
+
+        return await self._transact(body)
 
     async def load_chain(
         self, rollout_id: str, terminal_call_id: str, *, expect: Sequence[str] | None = None
@@ -873,7 +915,8 @@ class Ledger:
         Returns False, changing nothing, when the rollout is not frozen at that identity.
         """
         validate_rollout_id(rollout_id)
-        async with self._write() as conn:
+
+        async def body(conn: AsyncConnection) -> bool:
             now = utcnow()
             hit = (
                 await conn.execute(
@@ -907,21 +950,29 @@ class Ledger:
             )
             return True
 
+        return await self._transact(body)
+
     async def delete_rollout(self, rollout_id: str) -> bool:
         """Admin: remove every trace of a rollout (before re-dispatching its id)."""
         validate_rollout_id(rollout_id)
-        async with self._write() as conn:
+
+        async def body(conn: AsyncConnection) -> bool:
             res = await conn.execute(R.delete().where(R.c.rollout_id == rollout_id))
             return bool(res.rowcount)
+
+        return await self._transact(body)
 
     async def sweep(self, older_than: timedelta) -> int:
         """Remove retired tombstones retired at or before ``now - older_than``."""
         cutoff = datetime.now(UTC) - older_than
-        async with self._write() as conn:
+
+        async def body(conn: AsyncConnection) -> int:
             res = await conn.execute(
                 R.delete().where(R.c.state == "retired", R.c.retired_at <= cutoff)
             )
             return int(res.rowcount or 0)
+
+        return await self._transact(body)
 
     async def get_state(self, rollout_id: str) -> RolloutState:
         validate_rollout_id(rollout_id)
@@ -962,7 +1013,8 @@ class Ledger:
         idempotency_key: str | None = None,
     ) -> int:
         """Store one build of a snapshot with its outcome, reasons, metrics and quarantines."""
-        async with self._write() as conn:
+
+        async def body(conn: AsyncConnection) -> int:
             await self._lock_rollout(conn, rollout_id)
             if idempotency_key is not None:
                 prior = (
@@ -1003,6 +1055,8 @@ class Ledger:
                 await conn.execute(Q.insert(), rows)
             return int(did)
 
+        return await self._transact(body)
+
     async def mark_delivery(
         self, delivery_id: int, *, handed_off: bool = False, durable: bool = False
     ) -> None:
@@ -1014,8 +1068,124 @@ class Ledger:
             values["durable_ack_at"] = utcnow()
         if not values:
             return
-        async with self._write() as conn:
+
+        async def body(conn: AsyncConnection) -> None:
             await conn.execute(D.update().where(D.c.id == delivery_id).values(**values))
+
+        return await self._transact(body)
+
+
+def _translate_error(exc: Exception) -> Exception:
+    """The ledger error for a driver error (unchanged if it is not one)."""
+    if isinstance(exc, LedgerError):
+        return exc
+    if isinstance(exc, IntegrityError):
+        return InvalidInput(f"the database refused the write: {exc.orig}")
+    if isinstance(exc, OperationalError | DBAPIError | OSError | ConnectionError):
+        return Unavailable(f"ledger database unavailable: {exc}")
+    # asyncpg raises its own connection errors outside SQLAlchemy's wrapping on connect.
+    if type(exc).__module__.startswith("asyncpg"):
+        return Unavailable(f"ledger database unavailable: {exc}")
+    return exc
+
+
+@dataclass(frozen=True, slots=True)
+class _Deferred:
+    """A refusal decided inside a transaction whose writes must still commit."""
+
+    error: LedgerError
+
+
+class _GroupCommit:
+    """Group commit for SQLite (design §8): concurrent writes share one durable commit.
+
+    A writer task takes every write queued while the previous commit was in flight, runs each
+    in its own SAVEPOINT inside one ``BEGIN IMMEDIATE`` transaction, commits once (one fsync
+    under ``synchronous=FULL``) and only then acknowledges each caller.  A write that raises
+    rolls back to its savepoint alone; a failed commit fails every write of the batch.  The
+    durability promise is unchanged: nothing is acknowledged before its commit.
+    """
+
+    MAX_BATCH = 128
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+        self._queue: asyncio.Queue[
+            tuple[Callable[[AsyncConnection], Awaitable[Any]], asyncio.Future[Any]] | None
+        ] = asyncio.Queue()
+        self._task: asyncio.Task[None] | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    async def submit(self, body: Callable[[AsyncConnection], Awaitable[_T]]) -> _T:
+        loop = asyncio.get_running_loop()
+        if self._loop is not loop or self._task is None or self._task.done():
+            if (
+                self._loop is not None
+                and self._loop is not loop
+                and self._task is not None
+                and not self._task.done()
+            ):
+                # Used from another event loop: run alone, without sharing a commit.
+                async with self.ledger._write() as conn:
+                    return await body(conn)
+            self._loop = loop
+            self._queue = asyncio.Queue()
+            self._task = loop.create_task(self._run(), name="rollout-ledger-group-commit")
+        fut: asyncio.Future[_T] = loop.create_future()
+        self._queue.put_nowait((body, fut))
+        return await asyncio.shield(fut)
+
+    async def close(self) -> None:
+        task = self._task
+        if task is None or task.done():
+            return
+        if self._loop is asyncio.get_running_loop():
+            self._queue.put_nowait(None)
+            await task
+        else:
+            task.cancel()
+
+    async def _run(self) -> None:
+        while True:
+            first = await self._queue.get()
+            if first is None:
+                return
+            batch = [first]
+            stop = False
+            while len(batch) < self.MAX_BATCH and not self._queue.empty():
+                item = self._queue.get_nowait()
+                if item is None:
+                    stop = True
+                    break
+                batch.append(item)
+            await self._commit(batch)
+            if stop:
+                return
+
+    async def _commit(
+        self, batch: list[tuple[Callable[[AsyncConnection], Awaitable[Any]], asyncio.Future[Any]]]
+    ) -> None:
+        outcomes: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = []
+        try:
+            async with self.ledger._write() as conn:
+                for body, fut in batch:
+                    try:
+                        async with conn.begin_nested():
+                            outcomes.append((fut, await body(conn), None))
+                    except Exception as exc:  # this write alone is rolled back to its savepoint
+                        outcomes.append((fut, None, _translate_error(exc)))
+        except Exception as exc:  # the commit (or the transaction) failed: nothing is durable
+            for _body, fut in batch:
+                if not fut.done():
+                    fut.set_exception(exc)
+            return
+        for fut, value, error in outcomes:
+            if fut.done():
+                continue
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(value)
 
 
 @dataclass(frozen=True, slots=True)
