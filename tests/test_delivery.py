@@ -10,7 +10,7 @@ import pytest
 
 from ledger.delivery import finalize_rollout_token_capture, retire_rollout_token_capture
 from ledger.projection import assert_prefix_contiguous
-from ledger.store import Ledger
+from ledger.store import Audit, Ledger
 
 Rid = Callable[[str], str]
 SYS = list(range(1000, 1040))
@@ -145,8 +145,6 @@ async def test_multi_turn_tool_rollout_delivers_one_exact_chain(ledger: Ledger, 
 
 
 async def test_build_is_recorded_in_deliveries(ledger: Ledger, rid: Rid) -> None:
-    from ledger.store import Audit
-
     r = rid("recorded")
     s = Scripted(ledger, r)
     await tool_loop(s, 2)
@@ -183,6 +181,11 @@ async def test_retry_of_an_extended_call_keeps_the_extended_sibling(
     m = result["_ng_token_capture"]
     assert m["quarantined_calls"] == 1 and m["chains"] == 1
     assert m["delivered_fraction"] < 1.0
+    detail = await Audit(ledger).rollout_detail(r)
+    assert [(q["model_call_id"], q["reason"]) for q in detail["quarantines"]] == [
+        ("try1", "retry_not_kept")
+    ]
+    assert detail["quarantines"][0]["delivery_id"] == build["delivery_id"]
     seq = [*kept, 3100, 2300]
     last = carriers(result)[-1]
     assert [*last["prompt_token_ids"], *last["generation_token_ids"]] == seq
