@@ -16,11 +16,18 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from sqlalchemy import event
-from sqlalchemy.engine import URL, Connection, make_url
+from sqlalchemy import create_engine, event
+from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-__all__ = ["DEFAULT_DB_URL", "READ_ONLY", "is_sqlite", "make_engine", "normalize_url"]
+__all__ = [
+    "DEFAULT_DB_URL",
+    "READ_ONLY",
+    "is_sqlite",
+    "make_engine",
+    "make_sync_engine",
+    "normalize_url",
+]
 
 DEFAULT_DB_URL = "sqlite+aiosqlite:///rollout-ledger.db"
 READ_ONLY = "ledger_read_only"
@@ -55,13 +62,8 @@ def make_engine(url: str | URL, **kwargs: Any) -> AsyncEngine:
     return _postgres_engine(u, **kwargs)
 
 
-def _sqlite_engine(url: URL, **kwargs: Any) -> AsyncEngine:
-    if url.database in (None, "", ":memory:"):
-        raise ValueError("the ledger needs a SQLite file, not an in-memory database")
-    connect_args = {"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}
-    engine = create_async_engine(url, connect_args=connect_args, **kwargs)
-
-    @event.listens_for(engine.sync_engine, "connect")
+def _sqlite_setup(engine: Engine) -> None:
+    @event.listens_for(engine, "connect")
     def _on_connect(dbapi_conn: Any, _record: Any) -> None:
         # Take transaction control away from the driver so BEGIN is ours to emit.
         dbapi_conn.isolation_level = None
@@ -72,13 +74,41 @@ def _sqlite_engine(url: URL, **kwargs: Any) -> AsyncEngine:
         cur.execute("PRAGMA foreign_keys=ON")
         cur.close()
 
-    @event.listens_for(engine.sync_engine, "begin")
+    @event.listens_for(engine, "begin")
     def _on_begin(conn: Connection) -> None:
         if conn.get_execution_options().get(READ_ONLY):
             conn.exec_driver_sql("BEGIN")
         else:
             conn.exec_driver_sql("BEGIN IMMEDIATE")
 
+
+def _sqlite_file(url: URL) -> None:
+    if url.database in (None, "", ":memory:"):
+        raise ValueError("the ledger needs a SQLite file, not an in-memory database")
+
+
+def _sqlite_engine(url: URL, **kwargs: Any) -> AsyncEngine:
+    _sqlite_file(url)
+    connect_args = {"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000}
+    engine = create_async_engine(url, connect_args=connect_args, **kwargs)
+    _sqlite_setup(engine.sync_engine)
+    return engine
+
+
+def make_sync_engine(url: str | URL) -> Engine:
+    """A synchronous SQLite engine (stdlib driver) for the group-commit writer thread."""
+    u = normalize_url(url)
+    if u.get_backend_name() != "sqlite":
+        raise ValueError("the synchronous writer engine is for SQLite only")
+    u = u.set(drivername="sqlite+pysqlite")
+    _sqlite_file(u)
+    engine = create_engine(
+        u,
+        connect_args={"timeout": SQLITE_BUSY_TIMEOUT_MS / 1000, "check_same_thread": False},
+        pool_size=1,
+        max_overflow=0,
+    )
+    _sqlite_setup(engine)
     return engine
 
 

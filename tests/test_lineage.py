@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 import sqlalchemy as sa
 from sqlalchemy import event
+from sqlalchemy.engine import Engine
 
 from ledger import codec
 from ledger.store import Ledger
@@ -25,11 +26,12 @@ def capture_sql(led: Ledger) -> Iterator[list[str]]:
     def before(_conn: Any, _cur: Any, statement: str, *_a: Any) -> None:
         seen.append(" ".join(statement.split()))
 
-    event.listen(led.engine.sync_engine, "before_cursor_execute", before)
+    # Every engine (the ledger's async engine and the SQLite group-commit writer's own).
+    event.listen(Engine, "before_cursor_execute", before)
     try:
         yield seen
     finally:
-        event.remove(led.engine.sync_engine, "before_cursor_execute", before)
+        event.remove(Engine, "before_cursor_execute", before)
 
 
 async def stored_prompt(led: Ledger, rollout_id: str, call_id: str) -> tuple[list[int], bool]:
