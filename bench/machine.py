@@ -1,0 +1,121 @@
+"""What the numbers were measured on: CPU, memory, disk (with an fsync probe), versions, load."""
+
+from __future__ import annotations
+
+import os
+import platform
+import sqlite3
+import subprocess
+import sys
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+__all__ = ["describe", "fsync_probe", "load_snapshot"]
+
+ROOT = Path(__file__).resolve().parent.parent
+PACKAGES = ("sqlalchemy", "aiosqlite", "asyncpg", "fastapi", "uvicorn", "httpx", "pydantic")
+
+
+def fsync_probe(directory: Path, n: int = 200) -> dict[str, float]:
+    """Latency of write(4 KiB) + fdatasync on the disk the databases live on: the floor of one
+    durable commit."""
+    path = directory / "fsync-probe.bin"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    lat: list[float] = []
+    try:
+        for _ in range(n):
+            t0 = time.perf_counter()
+            os.write(fd, b"\0" * 4096)
+            os.fdatasync(fd)
+            lat.append((time.perf_counter() - t0) * 1e3)
+    finally:
+        os.close(fd)
+        path.unlink(missing_ok=True)
+    lat.sort()
+    return {
+        "n": n,
+        "p50_ms": lat[n // 2],
+        "p90_ms": lat[int(n * 0.9)],
+        "per_s": n / (sum(lat) / 1e3),
+    }
+
+
+def _disk(directory: Path) -> dict[str, Any]:
+    best = None
+    for part in psutil.disk_partitions(all=False):
+        if str(directory).startswith(part.mountpoint) and (
+            best is None or len(part.mountpoint) > len(best.mountpoint)
+        ):
+            best = part
+    usage = psutil.disk_usage(str(directory))
+    out: dict[str, Any] = {
+        "path": str(directory),
+        "device": best.device if best else None,
+        "fstype": best.fstype if best else None,
+        "size_gib": round(usage.total / 2**30, 1),
+        "free_gib": round(usage.free / 2**30, 1),
+    }
+    if best and best.device.startswith("/dev/"):
+        rot = Path(f"/sys/block/{Path(best.device).name}/queue/rotational")
+        if rot.exists():
+            out["rotational"] = rot.read_text().strip() == "1"
+    return out
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _git() -> dict[str, Any]:
+    def run(*args: str) -> str:
+        try:
+            return subprocess.run(
+                ["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=10
+            ).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+
+    return {"commit": run("rev-parse", "--short", "HEAD"), "dirty": bool(run("status", "--short"))}
+
+
+def load_snapshot() -> dict[str, Any]:
+    """Load average and system-wide CPU busy % since the previous snapshot (a shared machine
+    makes every number here noisier; the report shows this next to them)."""
+    return {
+        "loadavg_1m": round(os.getloadavg()[0], 2),
+        "cpu_busy_pct": psutil.cpu_percent(interval=None),
+    }
+
+
+async def describe(workdir: Path, pg_version: str | None) -> dict[str, Any]:
+    vm = psutil.virtual_memory()
+    versions = {}
+    for pkg in PACKAGES:
+        try:
+            versions[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            versions[pkg] = None
+    return {
+        "cpu": _cpu_model(),
+        "nproc": os.cpu_count(),
+        "usable_cpus": len(os.sched_getaffinity(0)),
+        "memory_gib": round(vm.total / 2**30, 1),
+        "disk": _disk(workdir),
+        "fsync": fsync_probe(workdir),
+        "os": f"{platform.system()} {platform.release()}",
+        "python": sys.version.split()[0],
+        "sqlite": sqlite3.sqlite_version,
+        "postgres": pg_version,
+        "packages": versions,
+        "git": _git(),
+    }

@@ -1,0 +1,331 @@
+"""Proxy runners: ``rollout-ledger serve`` in front of the simulated engine, both real processes
+on loopback, driven by raw httpx from the benchmark process.
+
+* :func:`load`: concurrent rollouts through the capture route (calls/s, latency, per turn);
+* :func:`overhead`: proxy round trip minus direct-upstream round trip for the same request
+  (the body the proxy sends upstream, built by ``api.dialects.build_chat_upstream``);
+* :class:`RssSampler`: peak resident memory of the serve process while it works.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import psutil
+
+from api.dialects import build_chat_upstream
+from bench.stats import summarize
+from bench.workload import ChatRollout, Workload, text
+
+__all__ = ["RssSampler", "ServerProcess", "load", "overhead", "serve_command", "sim_command"]
+
+ROOT = Path(__file__).resolve().parent.parent
+JSON = {"content-type": "application/json"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def serve_command(db_url: str, upstream: str, port: int) -> list[str]:
+    """``rollout-ledger serve`` as installed next to this interpreter (default log level)."""
+    exe = Path(sys.executable).with_name("rollout-ledger")
+    head = [str(exe)] if exe.exists() else [sys.executable, "-c", "from api.cli import app; app()"]
+    return [*head, "serve", "--db", db_url, "--upstream", upstream, "--port", str(port)]
+
+
+def sim_command(port: int, gen_tokens: int) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "bench.simserver",
+        "--port",
+        str(port),
+        "--gen-tokens",
+        str(gen_tokens),
+    ]
+
+
+class ServerProcess:
+    """A child process serving HTTP on loopback, ready once ``health`` answers 200."""
+
+    def __init__(self, argv: list[str], port: int, health: str, log: Path) -> None:
+        self.argv, self.port, self.health, self.log = argv, port, health, log
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 90.0) -> ServerProcess:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_LEDGER_")}
+        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+        with self.log.open("wb") as out:
+            self.proc = subprocess.Popen(
+                self.argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT
+            )
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{self.argv[0]} exited with {self.proc.returncode}: "
+                    + self.log.read_text(errors="replace")[-2000:]
+                )
+            try:
+                if httpx.get(self.url + self.health, timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                self.stop()
+                raise TimeoutError(f"{self.argv} did not become healthy in {timeout} s")
+            time.sleep(0.1)
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGINT)
+        try:
+            self.proc.wait(15)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(5)
+
+
+@contextlib.contextmanager
+def running(server: ServerProcess) -> Iterator[ServerProcess]:
+    server.start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+class RssSampler:
+    """Samples a process's RSS every ``interval`` s in a thread; ``mark`` starts a new phase."""
+
+    def __init__(self, pid: int, interval: float = 0.02) -> None:
+        self.proc = psutil.Process(pid)
+        self.interval = interval
+        self.phase = "startup"
+        self.peaks: dict[str, int] = {}
+        self.last = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True, name="rss-sampler")
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                rss = self.proc.memory_info().rss
+            except psutil.Error:
+                return
+            self.last = rss
+            self.peaks[self.phase] = max(self.peaks.get(self.phase, 0), rss)
+            self._stop.wait(self.interval)
+
+    def mark(self, phase: str) -> None:
+        self.phase = phase
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def report(self) -> dict[str, Any]:
+        mib = 1024 * 1024
+        return {
+            "peak_mib": max(self.peaks.values(), default=0) / mib,
+            "by_phase_peak_mib": {k: v / mib for k, v in self.peaks.items()},
+            "final_mib": self.last / mib,
+        }
+
+
+def _capture_url(base: str, rollout_id: str) -> str:
+    return f"{base}/ng-rollout/{rollout_id}/training-token-capture/v1/chat/completions"
+
+
+def _cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    out = {}
+    for name, pid in pids.items():
+        try:
+            t = psutil.Process(pid).cpu_times()
+            out[name] = t.user + t.system
+        except psutil.Error:
+            pass
+    return out
+
+
+async def load(
+    proxy_url: str, w: Workload, *, prefix: str, cpu_pids: dict[str, int] | None = None
+) -> dict[str, Any]:
+    """``w.rollouts`` concurrent rollouts of ``w.turns`` chat calls through the capture route.
+
+    ``cpu_pids`` (name -> pid): processes whose CPU time per call is reported (the server, the
+    upstream); the benchmark client's own is always reported."""
+    pids = {**(cpu_pids or {}), "client": os.getpid()}
+    cpu0 = _cpu_seconds(pids)
+    samples: list[dict[str, Any]] = []
+    finals: dict[str, dict[str, Any]] = {}
+    errors: list[str] = []
+    limits = httpx.Limits(max_connections=2 * w.rollouts + 4)
+    async with httpx.AsyncClient(timeout=300, limits=limits) as client:
+
+        async def one(r: int) -> None:
+            ro = ChatRollout(w, r, prefix)
+            gen_total = 0
+            data: dict[str, Any] = {}
+            for t in range(1, w.turns + 1):
+                raw = json.dumps(ro.body()).encode()
+                t0 = time.perf_counter()
+                resp = await client.post(
+                    _capture_url(proxy_url, ro.rollout_id), content=raw, headers=JSON
+                )
+                t1 = time.perf_counter()
+                if resp.status_code != 200:
+                    errors.append(f"{ro.rollout_id} turn {t}: {resp.status_code} {resp.text[:200]}")
+                    return
+                data = resp.json()
+                usage = data.get("usage") or {}
+                gen_total += int(usage.get("completion_tokens") or 0)
+                samples.append(
+                    {
+                        "rollout": ro.rollout_id,
+                        "turn": t,
+                        "kind": "turn",
+                        "prompt_len": usage.get("prompt_tokens"),
+                        "call_ms": (t1 - t0) * 1e3,
+                    }
+                )
+                ro.add_turn(data)
+            usage = data.get("usage") or {}
+            distinct = int(usage.get("prompt_tokens") or 0) + int(
+                usage.get("completion_tokens") or 0
+            )
+            finals[ro.rollout_id] = {
+                "response_id": data.get("id"),
+                "raw": {
+                    "distinct_tokens": distinct,
+                    "generated_tokens": gen_total,
+                    "raw_bytes": 4 * distinct + 4 * gen_total,
+                },
+            }
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one(r) for r in range(w.rollouts)))
+        wall = time.perf_counter() - t0
+    cpu1 = _cpu_seconds(pids)
+    from bench.direct import by_turn
+
+    n = len(samples)
+    return {
+        "calls": n,
+        "rollouts": w.rollouts,
+        "wall_s": wall,
+        "calls_per_s": n / wall if wall else None,
+        "cpu_ms_per_call": {k: (cpu1[k] - cpu0[k]) * 1e3 / n for k in cpu1 if k in cpu0 and n},
+        "call_ms": summarize([s["call_ms"] for s in samples]),
+        "by_turn": by_turn(samples),
+        "errors": errors[:10],
+        "final_prompt_tokens": max((s["prompt_len"] or 0) for s in samples) if samples else None,
+        "_finals": finals,
+    }
+
+
+async def overhead(
+    proxy_url: str,
+    upstream_url: str,
+    *,
+    samples: int,
+    prompt_tokens: int,
+    tool_tokens: int,
+    prefix: str,
+    warmup: int = 3,
+) -> dict[str, Any]:
+    """Sequential pairs: the same request direct to the upstream and through the proxy.
+
+    Each sample is a fresh rollout: a root call with a ``prompt_tokens`` prompt (the ledger stores
+    the full prompt), then a continuation (tool output appended; the ledger proves the parent and
+    stores the suffix).  Order within a pair alternates.  The direct request is the exact body
+    the proxy sends upstream (capture fields added), so the upstream does the same work."""
+    rows: dict[str, list[dict[str, float]]] = {"root": [], "continuation": []}
+    async with httpx.AsyncClient(timeout=300) as client:
+
+        async def timed(url: str, raw: bytes) -> tuple[float, dict[str, Any]]:
+            t0 = time.perf_counter()
+            resp = await client.post(url, content=raw, headers=JSON)
+            dt = (time.perf_counter() - t0) * 1e3
+            if resp.status_code != 200:
+                raise RuntimeError(f"{url}: {resp.status_code} {resp.text[:300]}")
+            return dt, resp.json()
+
+        for i in range(-warmup, samples):
+            rng = random.Random(10_000 + i)
+            rid = f"{prefix}{i + warmup:04d}"
+            messages: list[dict[str, Any]] = [
+                {"role": "system", "content": text(rng, prompt_tokens - 80)},
+                {"role": "user", "content": text(rng, 50)},
+            ]
+            for step in ("root", "continuation"):
+                body = {
+                    "model": "smol",
+                    "messages": messages,
+                    "max_tokens": 400,
+                    "temperature": 1.0,
+                }
+                raw_proxy = json.dumps(body).encode()
+                raw_direct = json.dumps(build_chat_upstream(body).body).encode()
+                pair: dict[str, float] = {}
+                answer: dict[str, Any] = {}
+                order = ("direct", "proxy") if i % 2 else ("proxy", "direct")
+                for side in order:
+                    if side == "direct":
+                        pair["direct_ms"], direct = await timed(
+                            upstream_url + "/v1/chat/completions", raw_direct
+                        )
+                        pair["prompt_tokens"] = direct["usage"]["prompt_tokens"]
+                    else:
+                        pair["proxy_ms"], answer = await timed(
+                            _capture_url(proxy_url, rid), raw_proxy
+                        )
+                pair["overhead_ms"] = pair["proxy_ms"] - pair["direct_ms"]
+                if i >= 0:
+                    rows[step].append(pair)
+                content = answer["choices"][0]["message"].get("content") or ""
+                messages = [
+                    *messages,
+                    {"role": "assistant", "content": content},
+                    {"role": "user", "content": text(rng, tool_tokens)},
+                ]
+    out: dict[str, Any] = {}
+    for step, pairs in rows.items():
+        direct = [p["direct_ms"] for p in pairs]
+        proxied = [p["proxy_ms"] for p in pairs]
+        out[step] = {
+            "samples": len(pairs),
+            "prompt_tokens": summarize([p["prompt_tokens"] for p in pairs]).get("p50"),
+            "direct_ms": summarize(direct),
+            "proxy_ms": summarize(proxied),
+            "overhead_ms": summarize([p["overhead_ms"] for p in pairs]),
+            # The target's definition: p50(proxy) - p50(direct).
+            "overhead_p50_ms": summarize(proxied)["p50"] - summarize(direct)["p50"],
+        }
+    return out

@@ -1,0 +1,155 @@
+"""Ledger variants the benchmark measures.  Only ``stock`` is the shipped behaviour; the others
+are prototypes (or diagnostics) built around ``Ledger`` here, never by editing it.
+
+``stock``
+    ``ledger.store.Ledger`` as configured: SQLite WAL + ``synchronous=FULL`` with the ledger's
+    group commit (concurrent writes share one durable commit, each acknowledged after it);
+    Postgres ``synchronous_commit=on``, one transaction per write.
+``timed``
+    stock, plus per-method wall-clock accounting (for the proxy-overhead breakdown).
+``nogroup`` (SQLite)
+    ``Ledger(group_commit=False)``: every write transaction is its own durable commit.
+``lazyintent``
+    the pre-dispatch intent commits without its own flush: SQLite, on a second engine with
+    ``synchronous=NORMAL``, outside the group; Postgres, ``SET LOCAL synchronous_commit = off``.
+    The call's record commit, flushed and later in the same sequential log, makes the intent
+    durable too before the harness gets its answer.  Caveat (docs/performance.md): on the
+    capture-failure path the harness is answered even when neither the record nor the
+    incomplete mark could be committed; a power loss then could also lose the intent.  On
+    SQLite it is measured one call at a time only (its second writer would contend with the
+    group-commit writer for the file lock).
+``nosync`` (SQLite, diagnostic only, NOT durable)
+    ``synchronous=OFF`` (group commit kept): what the same code costs without any flush.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from sqlalchemy import event
+from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+
+from ledger.engine import make_engine
+from ledger.store import Ledger
+
+__all__ = ["KINDS", "TimedLedger", "make_ledger"]
+
+KINDS = ("stock", "timed", "nogroup", "lazyintent", "nosync")
+_T = TypeVar("_T")
+_INTENT: contextvars.ContextVar[bool] = contextvars.ContextVar("bench_intent", default=False)
+
+
+def _sqlite_engine_with(url: str, synchronous: str) -> AsyncEngine:
+    engine = make_engine(url)
+
+    @event.listens_for(engine.sync_engine, "connect")
+    def _sync(dbapi_conn: Any, _record: Any) -> None:  # runs after the ledger's own hook
+        cur = dbapi_conn.cursor()
+        cur.execute(f"PRAGMA synchronous={synchronous}")
+        cur.close()
+
+    return engine
+
+
+class TimedLedger(Ledger):
+    """Stock ledger that accumulates wall time per public method (``timings``, ms lists)."""
+
+    def __init__(self, url: str, **kw: Any) -> None:
+        super().__init__(url, **kw)
+        self.timings: dict[str, list[float]] = {}
+
+    def _timed(self, name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        async def run(*a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return await fn(*a, **kw)
+            finally:
+                self.timings.setdefault(name, []).append((time.perf_counter() - t0) * 1e3)
+
+        return run
+
+    async def begin_call(self, *a: Any, **kw: Any) -> Any:
+        return await self._timed("begin_call", super().begin_call)(*a, **kw)
+
+    async def put(self, *a: Any, **kw: Any) -> Any:
+        return await self._timed("put", super().put)(*a, **kw)
+
+    async def freeze_views(self, *a: Any, **kw: Any) -> Any:
+        return await self._timed("freeze_views", super().freeze_views)(*a, **kw)
+
+    async def load_chain(self, *a: Any, **kw: Any) -> Any:
+        return await self._timed("load_chain", super().load_chain)(*a, **kw)
+
+    async def record_delivery(self, *a: Any, **kw: Any) -> Any:
+        return await self._timed("record_delivery", super().record_delivery)(*a, **kw)
+
+    async def mark_delivery(self, *a: Any, **kw: Any) -> Any:
+        return await self._timed("mark_delivery", super().mark_delivery)(*a, **kw)
+
+
+class LazyIntentLedger(TimedLedger):
+    def __init__(self, url: str, **kw: Any) -> None:
+        super().__init__(url, **kw)
+        self.intent_engine = (
+            _sqlite_engine_with(url, "NORMAL") if self.dialect == "sqlite" else None
+        )
+
+    async def close(self) -> None:
+        if self.intent_engine is not None:
+            await self.intent_engine.dispose()
+        await super().close()
+
+    async def begin_call(self, *a: Any, **kw: Any) -> Any:
+        token = _INTENT.set(True)
+        try:
+            return await super().begin_call(*a, **kw)
+        finally:
+            _INTENT.reset(token)
+
+    async def _transact(self, body: Callable[[AsyncConnection], Awaitable[_T]]) -> _T:
+        if not _INTENT.get():
+            return await super()._transact(body)  # type: ignore[misc]
+        if self.intent_engine is not None:
+            async with self._translate(), self.intent_engine.begin() as conn:
+                return await body(conn)
+        async with self._write() as conn:
+            await conn.exec_driver_sql("SET LOCAL synchronous_commit TO OFF")
+            return await body(conn)
+
+
+def count_batches(ledger: Ledger) -> list[int]:
+    """Record the size of every group-commit batch (a diagnostic hook on the ledger's writer)."""
+    sizes: list[int] = []
+    group = getattr(ledger, "_group", None)
+    commit = getattr(group, "_commit", None)
+    if group is None or commit is None:
+        return sizes
+
+    async def counted(batch: list[Any]) -> None:
+        sizes.append(len(batch))
+        await commit(batch)
+
+    group._commit = counted
+    return sizes
+
+
+def make_ledger(kind: str, url: str) -> Ledger:
+    """A ledger of the given variant, with ``batch_sizes`` (group-commit batches) attached."""
+    ledger: Ledger
+    if kind == "stock":
+        ledger = Ledger(url)
+    elif kind == "timed":
+        ledger = TimedLedger(url)
+    elif kind == "nogroup":
+        ledger = Ledger(url, group_commit=False)
+    elif kind == "lazyintent":
+        ledger = LazyIntentLedger(url)
+    elif kind == "nosync":
+        ledger = Ledger(url, engine=_sqlite_engine_with(url, "OFF"))
+    else:
+        raise ValueError(f"unknown ledger variant {kind!r}; choose from {', '.join(KINDS)}")
+    ledger.batch_sizes = count_batches(ledger)  # type: ignore[attr-defined]
+    return ledger
