@@ -10,12 +10,23 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Awaitable, Callable
+from typing import Annotated
 
-from fastapi import HTTPException, Request
+from fastapi import Depends, HTTPException, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+
+# Declares the scheme in the OpenAPI contract; the checks below do the work (and say why).
+bearer_scheme = HTTPBearer(
+    auto_error=False,
+    scheme_name="ledgerToken",
+    description="An API token from ROLLOUT_LEDGER_TOKENS with the scope the route names "
+    "(ingest, trainer, audit; admin may do everything).",
+)
+Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer_scheme)]
 
 
-def require(scope: str) -> Callable[[Request], Awaitable[None]]:
-    async def check(request: Request) -> None:
+def require(scope: str) -> Callable[..., Awaitable[None]]:
+    async def check(request: Request, _credentials: Credentials) -> None:
         tokens: dict[str, frozenset[str]] = request.app.state.settings.tokens
         if not tokens:
             return

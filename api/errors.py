@@ -43,7 +43,11 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(LedgerError)
     async def _ledger_error(_request: Request, exc: LedgerError) -> JSONResponse:
         extra = {"rollout_id": exc.rollout_id} if exc.rollout_id else {}
-        return JSONResponse(error_body(exc.code, exc.message, **extra), status_code=status_for(exc))
+        message = exc.message
+        if isinstance(exc, Unavailable):
+            # Driver messages append the SQL and its parameters: keep only the first line.
+            message = message.split("\n", 1)[0]
+        return JSONResponse(error_body(exc.code, message, **extra), status_code=status_for(exc))
 
     @app.exception_handler(RequestValidationError)
     async def _validation(_request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -67,7 +71,18 @@ def install_http(app: FastAPI) -> None:
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        if exc.status_code == 400 and _is_body_limit(exc.__cause__):
+            # FastAPI wraps any error raised while it reads a body (here: the body-limit
+            # middleware stopping a chunked upload) in a generic 400; restore the 413.
+            limit = request.app.state.settings.max_body_bytes
+            return JSONResponse(
+                error_body(
+                    "payload_too_large",
+                    f"request body exceeds the configured limit of {limit} bytes (max_body_bytes)",
+                ),
+                status_code=413,
+            )
         code = {
             401: "unauthorized",
             403: "forbidden",
@@ -80,3 +95,12 @@ def install_http(app: FastAPI) -> None:
             status_code=exc.status_code,
             headers=getattr(exc, "headers", None),
         )
+
+
+def _is_body_limit(exc: BaseException | None) -> bool:
+    if exc is None:
+        return False
+    from api import app as app_module  # the body-limit middleware lives there
+
+    marker = getattr(app_module, "_TooLarge", None)
+    return isinstance(marker, type) and isinstance(exc, marker)

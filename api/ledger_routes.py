@@ -3,35 +3,133 @@
 Routes are thin: parse, call one ledger operation, return its result.  Errors are mapped to
 HTTP in ``api.errors``.  Token arrays travel as JSON lists by default, or with
 ``token_encoding: "packed-v1"`` as base64 of little-endian int32 ids and float64 log-probs
-(exact for every value, ``-inf`` included).
+(exact for every value, ``-inf`` included).  In JSON responses a non-finite log-prob is written
+as the string ``"-Infinity"`` (JSON has no literal for it); requests may send it the same way.
+
+Every error answer has the body ``{"error": {"code", "message", ...}}`` naming what was wrong.
 """
 
 from __future__ import annotations
 
 import base64
+import logging
+import math
 import time
 from array import array
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Path, Query, Request, Response
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from api.auth import require
 from ledger import codec
-from ledger.errors import InvalidInput
+from ledger.errors import InvalidInput, NotFound, PayloadConflict, RolloutRetired, StateConflict
 from ledger.ids import MAX_ROLLOUT_ID_LEN
 from ledger.records import TokenEntry, coerce_entry
 from ledger.store import Audit, Ledger
 
+log = logging.getLogger("rollout_ledger.api.ledger")
+
 ID_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._-]*$"
+REASON_PATTERN = r"^[a-z][a-z0-9_]*$"
 RolloutId = Annotated[
     str, Path(pattern=ID_PATTERN, max_length=MAX_ROLLOUT_ID_LEN, description="Rollout id.")
 ]
 CallId = Annotated[str, Path(pattern=ID_PATTERN, max_length=200, description="Model call id.")]
 TokenEncoding = Literal["json", "packed-v1"]
 
-router = APIRouter(prefix="/ledger/v1")
+
+# --------------------------------------------------------------------------- errors
+
+
+class Problem(BaseModel):
+    field: str
+    message: str
+
+
+class ErrorDetail(BaseModel):
+    model_config = ConfigDict(extra="allow")
+
+    code: str = Field(description="Machine-readable error code, e.g. payload_conflict.")
+    message: str = Field(description="What was wrong, for a person.")
+    rollout_id: str | None = None
+    problems: list[Problem] | None = Field(
+        default=None, description="Validation errors: each names the failing field."
+    )
+
+
+class ErrorBody(BaseModel):
+    """The body of every error answer."""
+
+    error: ErrorDetail
+
+
+def _err(description: str) -> dict[str, Any]:
+    return {"model": ErrorBody, "description": description}
+
+
+COMMON_ERRORS: dict[int | str, dict[str, Any]] = {
+    401: _err("Missing or unknown bearer token."),
+    403: _err("The token lacks the scope this route needs."),
+    413: _err("The request body exceeds max_body_bytes."),
+    422: _err("Invalid input; the message names the failing field."),
+    503: _err("The database cannot be reached."),
+}
+
+router = APIRouter(prefix="/ledger/v1", responses=COMMON_ERRORS)
+
+
+class StaleSnapshot(StateConflict):
+    """Retire named a snapshot identity the rollout is not frozen at: nothing was retired."""
+
+    code = "stale_snapshot"
+
+
+def _text_problem(value: str) -> str | None:
+    # Postgres text cannot hold NUL, and no database takes a lone UTF-16 surrogate.
+    if "\x00" in value:
+        return "must not contain the NUL character (\\u0000)"
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return "must be valid Unicode text (it holds a lone surrogate)"
+    return None
+
+
+def _storable_text(value: str) -> str:
+    if problem := _text_problem(value):
+        raise ValueError(problem)
+    return value
+
+
+Text = Annotated[str, AfterValidator(_storable_text)]
+INT64 = 2**63
+
+
+def _unstorable(value: Any, path: str) -> str | None:
+    """``"<path> <what is wrong>"`` for the first value JSON storage cannot hold, or None."""
+    if isinstance(value, str):
+        problem = _text_problem(value)
+        return f"{path} {problem}" if problem else None
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return None if -INT64 <= value < INT64 else f"{path} is an integer beyond 64 bits"
+    if isinstance(value, float):
+        return None if math.isfinite(value) else f"{path} must be a finite number, not {value}"
+    if isinstance(value, dict):
+        for k, v in value.items():
+            sub = f"{path}.{k}"
+            if problem := _text_problem(str(k)):
+                return f"{sub}: the key {problem}"
+            if found := _unstorable(v, sub):
+                return found
+    elif isinstance(value, list):
+        for i, v in enumerate(value):
+            if found := _unstorable(v, f"{path}.{i}"):
+                return found
+    return None
 
 
 def ledger_of(request: Request) -> Ledger:
@@ -91,12 +189,32 @@ def decode_record(raw: dict[str, Any], encoding: TokenEncoding) -> dict[str, Any
     return out
 
 
+def json_float(x: float) -> float | str:
+    """JSON has no -inf: a non-finite value is written as a string, never as a lossy null."""
+    if math.isfinite(x):
+        return x
+    return "NaN" if math.isnan(x) else ("-Infinity" if x < 0 else "Infinity")
+
+
+def finite_json(value: Any) -> Any:
+    """``value`` with every non-finite float written as a string (see ``json_float``)."""
+    if isinstance(value, float):
+        return json_float(value)
+    if isinstance(value, dict):
+        return {k: finite_json(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite_json(v) for v in value]
+    return value
+
+
 def encode_entry(entry: TokenEntry, encoding: TokenEncoding) -> dict[str, Any]:
     data = entry.model_dump(mode="json")
     if encoding == "packed-v1":
         data["prompt_token_ids"] = pack_b64_ids(entry.prompt_token_ids)
         data["generation_token_ids"] = pack_b64_ids(entry.generation_token_ids)
         data["generation_log_probs"] = pack_b64_floats(entry.generation_log_probs)
+    else:
+        data["generation_log_probs"] = [json_float(x) for x in entry.generation_log_probs]
     return data
 
 
@@ -111,15 +229,26 @@ class TokenRecord(BaseModel):
     schema_version: int = 1
     rollout_id: str | None = None
     model_call_id: str | None = None
-    model: str = ""
+    model: Text = Field(default="", max_length=200)
     prompt_token_ids: list[int] | str
     generation_token_ids: list[int] | str
-    generation_log_probs: list[float] | str
+    generation_log_probs: list[float] | str = Field(
+        description='Log-probs; a non-finite value may be sent as the string "-Infinity".'
+    )
     routed_experts: Any = None
     output_items: list[dict[str, Any]] = Field(default_factory=list)
     token_item_index: int | None = None
-    created_at: float = 0.0
-    response_id: str | None = None
+    created_at: float = Field(default=0.0, allow_inf_nan=False)
+    response_id: Text | None = Field(default=None, max_length=200)
+
+    @model_validator(mode="after")
+    def _storable(self) -> TokenRecord:
+        for name in ("output_items", "routed_experts"):
+            if found := _unstorable(getattr(self, name), name):
+                raise ValueError(found)
+        if found := _unstorable(dict(self.__pydantic_extra__ or {}), "record"):
+            raise ValueError(found)
+        return self
 
 
 class PutBody(BaseModel):
@@ -127,9 +256,9 @@ class PutBody(BaseModel):
 
     record: TokenRecord
     token_encoding: TokenEncoding = "json"
-    route: str | None = Field(default=None, max_length=200)
-    request_fingerprint: str = Field(default="", max_length=64)
-    continuation_fingerprint: str = Field(default="", max_length=64)
+    route: Text | None = Field(default=None, max_length=200)
+    request_fingerprint: Text = Field(default="", max_length=64)
+    continuation_fingerprint: Text = Field(default="", max_length=64)
 
 
 class PutOut(BaseModel):
@@ -143,8 +272,8 @@ class PutOut(BaseModel):
 class IntentBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    route: str | None = Field(default=None, max_length=200)
-    model: str = Field(default="", max_length=200)
+    route: Text | None = Field(default=None, max_length=200)
+    model: Text = Field(default="", max_length=200)
 
 
 class IntentOut(BaseModel):
@@ -159,8 +288,8 @@ class IncompleteBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     model_call_id: str = Field(default="", max_length=200)
-    reason: str = Field(default="capture_failed", max_length=64)
-    detail: str = Field(default="", max_length=4000)
+    reason: str = Field(default="capture_failed", max_length=64, pattern=REASON_PATTERN)
+    detail: Text = Field(default="", max_length=4000)
 
 
 class VersionOut(BaseModel):
@@ -195,8 +324,8 @@ class SnapshotOut(BaseModel):
 class RetireBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    snapshot_id: str = Field(max_length=64)
-    version: int
+    snapshot_id: Text = Field(max_length=64)
+    version: int = Field(ge=0, le=2**62)
 
 
 class RetireOut(BaseModel):
@@ -208,7 +337,7 @@ class FinalizeBody(BaseModel):
 
     result: dict[str, Any]
     deliver: Literal["one", "all-chains"] = "one"
-    consumer: str = Field(default="", max_length=200)
+    consumer: Text = Field(default="", max_length=200)
 
 
 class FinalizeOut(BaseModel):
@@ -236,14 +365,22 @@ class SweepOut(BaseModel):
     removed: int
 
 
+def _utc(value: datetime) -> datetime:
+    # SQLite hands timestamps back without their zone; the ledger stores UTC.
+    return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
+UtcDatetime = Annotated[datetime, AfterValidator(_utc)]
+
+
 class RolloutItem(BaseModel):
     rollout_id: str
     state: str
     incomplete: bool
     version: int
     n_calls: int
-    created_at: datetime
-    updated_at: datetime
+    created_at: UtcDatetime
+    updated_at: UtcDatetime
     outcome: str | None
     mask_reasons: list[str]
     delivered_fraction: float | None
@@ -320,6 +457,7 @@ async def put_call(
     entry = coerce_entry(raw)
     metrics = request.app.state.metrics
     started = time.perf_counter()
+    ids = {"rollout_id": rollout_id, "model_call_id": model_call_id}
     try:
         res = await led.put(
             entry,
@@ -329,9 +467,28 @@ async def put_call(
         )
     except Exception as exc:
         metrics.ingest.labels("put", type(exc).__name__).inc()
+        if isinstance(exc, PayloadConflict):
+            metrics.incomplete.labels("conflicting_payload").inc()
+        log.warning(
+            "put refused rollout=%s call=%s: %s: %s",
+            rollout_id,
+            model_call_id,
+            type(exc).__name__,
+            exc,
+            extra={**ids, "outcome": type(exc).__name__},
+        )
         raise
     metrics.ingest_seconds.labels("put").observe(time.perf_counter() - started)
     metrics.ingest.labels("put", res.status).inc()
+    log.info(
+        "put %s rollout=%s call=%s version=%d parent=%s",
+        res.status,
+        rollout_id,
+        model_call_id,
+        res.version,
+        res.parent_call_id,
+        extra={**ids, "outcome": res.status, "version": res.version},
+    )
     if res.status == "duplicate":
         response.status_code = 200
     return PutOut(
@@ -357,6 +514,17 @@ async def mark_incomplete(
         rollout_id, body.model_call_id, reason=body.reason, detail=body.detail
     )
     request.app.state.metrics.incomplete.labels(body.reason).inc()
+    log.warning(
+        "marked incomplete rollout=%s call=%s reason=%s",
+        rollout_id,
+        body.model_call_id,
+        body.reason,
+        extra={
+            "rollout_id": rollout_id,
+            "model_call_id": body.model_call_id,
+            "reason": body.reason,
+        },
+    )
     return VersionOut(version=version)
 
 
@@ -405,6 +573,15 @@ async def freeze(
     """Freeze (idempotent) and return full-prompt entries from one consistent read."""
     snap = await led.freeze(rollout_id)
     request.app.state.metrics.freezes.inc()
+    log.info(
+        "froze rollout=%s snapshot=%s version=%d calls=%d incomplete=%s",
+        rollout_id,
+        snap.snapshot_id,
+        snap.version,
+        len(snap.entries),
+        snap.incomplete,
+        extra={"rollout_id": rollout_id, "snapshot_id": snap.snapshot_id},
+    )
     return SnapshotOut(
         rollout_id=snap.rollout_id,
         entries=[encode_entry(e, token_encoding) for e in snap.entries],
@@ -435,7 +612,7 @@ async def finalize(body: FinalizeBody, led: LedgerDep, request: Request) -> Fina
     for reason in build.get("mask_reasons") or []:
         metrics.masked.labels(reason).inc()
     slim = {k: v for k, v in build.items() if k != "rebuilt_response"}
-    return FinalizeOut(result=result, build=slim)
+    return FinalizeOut(result=finite_json(result), build=finite_json(slim))
 
 
 @router.post(
@@ -443,17 +620,65 @@ async def finalize(body: FinalizeBody, led: LedgerDep, request: Request) -> Fina
     response_model=RetireOut,
     tags=["trainer"],
     dependencies=[Depends(require("trainer"))],
-    responses={409: {"description": "Not frozen at that snapshot identity: nothing retired."}},
+    responses={
+        200: {
+            "model": RetireOut,
+            "description": "Retired (or already retired at exactly this "
+            "snapshot identity: a safe repeat).",
+        },
+        404: _err("No such rollout."),
+        409: _err("Not frozen at that snapshot identity: nothing retired."),
+        410: _err("Already retired at another snapshot identity."),
+    },
 )
 async def retire(
-    rollout_id: RolloutId, body: RetireBody, led: LedgerDep, request: Request, response: Response
+    rollout_id: RolloutId, body: RetireBody, led: LedgerDep, request: Request
 ) -> RetireOut:
-    """Retire exactly the consumed snapshot; 409 if anything changed since."""
-    ok = await led.retire(rollout_id, snapshot_id=body.snapshot_id, version=body.version)
-    request.app.state.metrics.retires.labels("retired" if ok else "stale").inc()
-    if not ok:
-        response.status_code = 409
-    return RetireOut(retired=ok)
+    """Retire exactly the consumed snapshot; 409 if anything changed since.
+
+    Repeating a retire that succeeded (a client retrying after a lost answer) answers 200.
+    """
+    metrics = request.app.state.metrics
+    ids = {"rollout_id": rollout_id, "snapshot_id": body.snapshot_id}
+    if await led.retire(rollout_id, snapshot_id=body.snapshot_id, version=body.version):
+        metrics.retires.labels("retired").inc()
+        log.info("retired rollout=%s snapshot=%s", rollout_id, body.snapshot_id, extra=ids)
+        return RetireOut(retired=True)
+    try:
+        state = await led.get_state(rollout_id)
+    except NotFound:
+        metrics.retires.labels("unknown").inc()
+        raise NotFound(
+            f"no rollout {rollout_id!r} in the ledger: nothing to retire", rollout_id=rollout_id
+        ) from None
+    asked = f"snapshot {body.snapshot_id!r} version {body.version}"
+    at = f"snapshot {state.snapshot_id!r} version {state.version}"
+    if state.state == "retired":
+        if (state.snapshot_id, state.version) == (body.snapshot_id, body.version):
+            metrics.retires.labels("repeat").inc()
+            return RetireOut(retired=True)
+        metrics.retires.labels("stale").inc()
+        raise RolloutRetired(
+            f"rollout {rollout_id!r} was already retired at {at}, not {asked}",
+            rollout_id=rollout_id,
+        )
+    metrics.retires.labels("stale").inc()
+    log.info(
+        "retire refused rollout=%s: asked %s, is %s at %s",
+        rollout_id,
+        asked,
+        state.state,
+        at,
+        extra=ids,
+    )
+    if state.state == "open":
+        detail = "it is open (not frozen): freeze it and build from that snapshot first"
+    else:
+        detail = f"it is frozen at {at}; something changed since the snapshot was taken"
+    raise StaleSnapshot(
+        f"rollout {rollout_id!r} is not frozen at {asked}: {detail}; nothing was retired",
+        rollout_id=rollout_id,
+    )
 
 
 @router.post(
@@ -509,10 +734,17 @@ async def list_rollouts(
     state: Literal["open", "frozen", "retired"] | None = None,
     outcome: Literal["delivered", "masked", "failed"] | None = None,
     masked: bool | None = None,
-    reason: Annotated[str | None, Query(max_length=64)] = None,
+    reason: Annotated[str | None, Query(max_length=64, pattern=REASON_PATTERN)] = None,
     since: datetime | None = None,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
-    cursor: Annotated[str | None, Query(max_length=MAX_ROLLOUT_ID_LEN)] = None,
+    cursor: Annotated[
+        str | None,
+        Query(
+            max_length=MAX_ROLLOUT_ID_LEN,
+            pattern=ID_PATTERN,
+            description="next_cursor of the previous page.",
+        ),
+    ] = None,
 ) -> RolloutPage:
     """Rollouts with filters, ordered by id, with cursor pagination."""
     items, nxt = await Audit(led).list_rollouts(

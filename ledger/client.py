@@ -4,13 +4,19 @@ It offers the same operations as ``ledger.store.Ledger`` (what ``ledger.gym`` an
 ``ledger.delivery`` call), so ``CaptureSink(url="http://ledger:8080", token=...)`` works like a
 direct database URL.  Transient failures (connection errors, timeouts, 502/503/504) are
 retried with backoff.  Retrying a put is safe: a put that landed before its answer was lost
-comes back as an idempotent repeat (200), so it is reconciled, never duplicated.
+comes back as an idempotent repeat (200), so it is reconciled, never duplicated; a retire that
+landed comes back as a repeat of the same snapshot identity (200).
+
+JSON has no ``-inf``: with ``token_encoding="json"`` non-finite log-probs travel as the strings
+``"-Infinity"``/``"Infinity"`` and are turned back into floats on the way in; ``packed-v1``
+carries them as float64 bytes.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import math
 import random
 from array import array
 from typing import Any
@@ -124,6 +130,8 @@ class RemoteLedger:
             record["generation_log_probs"] = base64.b64encode(
                 array("d", e.generation_log_probs).tobytes()
             ).decode()
+        else:
+            record["generation_log_probs"] = [_json_float(x) for x in e.generation_log_probs]
         body = {
             "record": record,
             "token_encoding": self.token_encoding,
@@ -209,8 +217,8 @@ class RemoteLedger:
                 f"/rollouts/{rollout_id}/retire",
                 json={"snapshot_id": snapshot_id, "version": version},
             )
-        except StateConflict:
-            return False
+        except (StateConflict, NotFound):
+            return False  # as ``Ledger.retire``: not frozen at that identity, nothing retired
         return True
 
     async def finalize(
@@ -221,12 +229,19 @@ class RemoteLedger:
             await self._call(
                 "POST",
                 "/finalize",
-                json={"result": result, "deliver": deliver, "consumer": consumer},
+                json={"result": _finite(result), "deliver": deliver, "consumer": consumer},
             )
         ).json()
         build: dict[str, Any] = data["build"]
+        rebuilt: dict[str, Any] = data["result"]
+        response = rebuilt.get("response")
+        output = response.get("output") if isinstance(response, dict) else None
+        for item in output if isinstance(output, list) else ():
+            lps = item.get("generation_log_probs") if isinstance(item, dict) else None
+            if isinstance(lps, list):
+                item["generation_log_probs"] = [float(x) if isinstance(x, str) else x for x in lps]
         result.clear()
-        result.update(data["result"])
+        result.update(rebuilt)
         return build
 
     async def mark_delivery(
@@ -245,6 +260,23 @@ class RemoteLedger:
             await self._call("POST", "/admin/sweep", json={"older_than_s": older_than_s})
         ).json()
         return int(data["removed"])
+
+
+def _json_float(x: float) -> float | str:
+    if math.isfinite(x):
+        return x
+    return "NaN" if math.isnan(x) else ("-Infinity" if x < 0 else "Infinity")
+
+
+def _finite(value: Any) -> Any:
+    """``value`` with non-finite floats as strings, so it can be sent as standard JSON."""
+    if isinstance(value, float):
+        return _json_float(value)
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
 
 
 def _b64_ids(ids: list[int]) -> str:
