@@ -78,7 +78,12 @@ def _register(app: typer.Typer) -> None:
         except Exception as exc:
             err.print(f"[red]error:[/] cannot prepare the database {settings.db}: {exc}")
             raise typer.Exit(1) from None
-        auth = "bearer tokens" if settings.tokens else "NONE (loopback only)"
+        if settings.tokens:
+            auth = "bearer tokens"
+        elif settings.host in LOOPBACK:
+            auth = "NONE (loopback only)"
+        else:
+            auth = f"NONE: the ledger API is OPEN to the network on {settings.host}"
         err.print(
             f"rollout-ledger: ledger [bold]{settings.db}[/], upstream "
             f"[bold]{settings.upstream or 'none: proxy routes answer 503'}[/], auth {auth}, "

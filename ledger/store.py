@@ -22,7 +22,7 @@ from typing import Any, TypeVar, cast
 import sqlalchemy as sa
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection, Engine
-from sqlalchemy.exc import DBAPIError, IntegrityError, OperationalError
+from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, OperationalError
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from ledger import codec
@@ -1076,7 +1076,9 @@ class Ledger:
             return
 
         def body(conn: Connection) -> None:
-            conn.execute(D.update().where(D.c.id == delivery_id).values(**values))
+            res = conn.execute(D.update().where(D.c.id == delivery_id).values(**values))
+            if not res.rowcount:
+                raise NotFound(f"no delivery {delivery_id} in the ledger")
 
         return await self._transact(body)
 
@@ -1085,8 +1087,9 @@ def _translate_error(exc: Exception) -> Exception:
     """The ledger error for a driver error (unchanged if it is not one)."""
     if isinstance(exc, LedgerError):
         return exc
-    if isinstance(exc, IntegrityError):
-        return InvalidInput(f"the database refused the write: {exc.orig}")
+    if isinstance(exc, IntegrityError | DataError):
+        first = str(exc.orig).splitlines()[0] if str(exc.orig) else type(exc.orig).__name__
+        return InvalidInput(f"the database refused the value: {first}")
     if isinstance(exc, OperationalError | DBAPIError | OSError | ConnectionError):
         return Unavailable(f"ledger database unavailable: {exc}")
     # asyncpg raises its own connection errors outside SQLAlchemy's wrapping on connect.
@@ -1579,5 +1582,8 @@ def _row_dict(row: Any, drop: tuple[str, ...] = ()) -> dict[str, Any]:
     for key, value in row._mapping.items():
         if key in drop:
             continue
-        out[key] = value.isoformat() if isinstance(value, datetime) else value
+        if isinstance(value, datetime):
+            # SQLite returns naive datetimes; every stored time is UTC.
+            value = (value if value.tzinfo else value.replace(tzinfo=UTC)).isoformat()
+        out[key] = value
     return out

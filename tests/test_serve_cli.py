@@ -127,11 +127,6 @@ def test_config_can_allow_unauthenticated_too(recorder: Recorder, tmp_path: Path
     assert recorder.calls[0]["host"] == "0.0.0.0"
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="api/cli.py serve prints 'auth NONE (loopback only)' even when "
-    "--allow-unauthenticated exposes it on a network host",
-)
 def test_unauthenticated_network_listen_is_not_called_loopback_only(
     recorder: Recorder, tmp_path: Path
 ) -> None:
