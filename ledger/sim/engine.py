@@ -25,7 +25,7 @@ import struct
 import threading
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol
 
@@ -522,8 +522,8 @@ class SimEngine:
             except ApiError as err:
                 return self._error(err)
             if fault is not None and not isinstance(response, StreamingResponse):
-                if fault.kind == "drop":  # the server dies before answering
-                    raise SimulatedDisconnect("simulated connection drop (fault injection)")
+                if fault.kind == "drop":  # the connection dies part-way through the answer
+                    return _cut_body(response)
                 if fault.kind == "stream_error":  # a generation error, non-streaming form
                     return self._error(ApiError("Simulated generation error.", status=500))
             return response
@@ -577,8 +577,8 @@ class SimEngine:
                 body.get("tools"),
                 opt_bool(body, "add_generation_prompt", True),
             )
-        except (TypeError, KeyError, ValueError) as exc:  # the template refuses the messages
-            raise ApiError(str(exc)) from exc
+        except (TypeError, KeyError, ValueError, AttributeError) as exc:  # refused messages
+            raise ApiError(f"invalid messages: {exc}") from exc
 
     def _chat_response(self, body: Mapping[str, Any], fault: Fault | None) -> Response:
         params = _apply_fault(self._chat_params(body), fault)
@@ -1044,3 +1044,20 @@ def engine_of(app: Starlette) -> SimEngine:
     engine = app.state.engine
     assert isinstance(engine, SimEngine)
     return engine
+
+
+def _cut_body(response: Response) -> StreamingResponse:
+    """Send the status, headers and half the body, then drop the connection (fault ``drop``).
+
+    Under uvicorn the client sees a broken connection mid-body (httpx: RemoteProtocolError),
+    which is what a crashed or killed server looks like on the wire.
+    """
+    body = bytes(response.body)
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield body[: len(body) // 2]
+        raise SimulatedDisconnect("simulated connection drop (fault injection)")
+
+    return StreamingResponse(
+        chunks(), status_code=response.status_code, media_type=response.media_type
+    )
