@@ -153,7 +153,7 @@ def strip_completion_response(
     response: Mapping[str, Any], *, keep_logprobs: bool = False
 ) -> StrippedResponse:
     """Split a text completion into the harness copy (no token fields) and the record view."""
-    body = _without_token_arrays(response, keep_logprobs, top_level=())
+    body = _without_token_arrays(response, keep_logprobs, top_level=("prompt_token_ids",))
     choices = _choices(body)
     for choice in choices:
         if isinstance(choice, dict):

@@ -21,6 +21,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 from fastapi import FastAPI, Request, Response
@@ -44,7 +45,7 @@ from api.metrics import Metrics
 from ledger.config import NonGeneratingRoute, Settings
 from ledger.errors import LedgerError, RolloutFrozen
 from ledger.fingerprint import continuation_fingerprint, model_authored_fingerprint
-from ledger.ids import ALLOWED_ID_TEXT, is_valid_id
+from ledger.ids import ALLOWED_ID_TEXT, MAX_ROLLOUT_ID_LEN, is_valid_id
 from ledger.store import Ledger
 
 log = logging.getLogger("rollout_ledger.proxy")
@@ -74,6 +75,7 @@ GENERATING: dict[str, d.Dialect] = {
     "/v1/messages": d.Dialect.ANTHROPIC,
 }
 COUNT_TOKENS = "/v1/messages/count_tokens"
+_PATH_SAFE = "/:@!$&'()*+,;=~"  # RFC 3986 pchar delimiters kept as they are
 # Routes of a vLLM upstream whose successful answers cannot carry policy text.
 DEFAULT_NON_GENERATING = (
     ("GET", "/v1/models"),
@@ -95,6 +97,7 @@ class CallContext:
     route: str
     request_fingerprint: str
     request_items: list[dict[str, Any]]
+    metrics: Metrics
 
 
 def _declared(settings: Settings) -> frozenset[tuple[str, str]]:
@@ -128,7 +131,8 @@ def install_proxy(app: FastAPI, settings: Settings) -> None:
                     "error": {
                         "code": "invalid_rollout_id",
                         "message": (
-                            f"rollout id in the URL must be {ALLOWED_ID_TEXT}; got {rollout_id!r}"
+                            f"rollout id in the URL must be {ALLOWED_ID_TEXT}, at most "
+                            f"{MAX_ROLLOUT_ID_LEN} characters; got {rollout_id!r}"
                         ),
                     }
                 },
@@ -166,25 +170,35 @@ def _upstream_headers(request: Request) -> dict[str, str]:
 async def _forward(request: Request, path: str) -> Response:
     """Plain pass-through: stream the request up and the answer back, record nothing."""
     client: httpx.AsyncClient = request.app.state.upstream
-    upstream_req = client.build_request(
-        request.method,
-        path,
-        params=request.url.query or None,
-        headers=_upstream_headers(request),
-        content=request.stream(),
-    )
+    headers = _upstream_headers(request)
+    if "accept-encoding" not in {k.lower() for k in headers}:
+        # Not httpx's default (gzip, ...): the raw answer goes back to a harness that did
+        # not offer to decode anything.
+        headers["accept-encoding"] = "identity"
+    try:
+        upstream_req = client.build_request(
+            request.method,
+            # The decoded path, percent-encoded again (a %00 or a space must not reach the
+            # URL builder raw).
+            quote(path, safe=_PATH_SAFE),
+            params=request.url.query or None,
+            headers=headers,
+            content=request.stream(),
+        )
+    except httpx.InvalidURL as exc:
+        return JSONResponse({"error": {"code": "invalid_path", "message": str(exc)}}, 400)
     try:
         upstream = await client.send(upstream_req, stream=True)
     except httpx.TimeoutException as exc:
         return JSONResponse({"error": {"code": "upstream_timeout", "message": str(exc)}}, 504)
     except httpx.HTTPError as exc:
         return JSONResponse({"error": {"code": "upstream_unavailable", "message": str(exc)}}, 502)
-    headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
-    headers.pop("content-encoding", None)
+    # The raw bytes go back still encoded, so their content-encoding goes with them.
+    answer_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
     return StreamingResponse(
         upstream.aiter_raw(),
         status_code=upstream.status_code,
-        headers=headers,
+        headers=answer_headers,
         background=BackgroundTask(upstream.aclose),
     )
 
@@ -212,12 +226,9 @@ async def _capture(
         if not isinstance(body, dict):
             raise d.InvalidRequest("the request body must be a JSON object")
         upstream = _build_upstream(dialect, body, settings)
-    except ValueError as exc:  # JSON errors and DialectError are ValueErrors
-        error = (
-            exc
-            if isinstance(exc, d.DialectError)
-            else d.InvalidRequest(f"the request body is not valid JSON: {exc}")
-        )
+        payload = _json_bytes(upstream.body)
+    except Exception as exc:  # nothing was dispatched: refuse with a 400 that says why
+        error = _request_error(exc)
         metrics.proxy_calls.labels(dialect.value, "bad_request").inc()
         return _error_response(d.request_error_reply(dialect, error), stream=False, dialect=dialect)
     items = _request_items(dialect, body)
@@ -228,6 +239,7 @@ async def _capture(
         route=f"POST {rest}",
         request_fingerprint=_fingerprint(items),
         request_items=items,
+        metrics=metrics,
     )
     try:
         await ledger.begin_call(
@@ -237,12 +249,45 @@ async def _capture(
         metrics.proxy_calls.labels(dialect.value, "no_custody").inc()
         log.error("intent not recorded rollout=%s call=%s: %s", rollout_id, ctx.model_call_id, exc)
         return _custody_failure(dialect, exc)
-    answer = await _call_upstream(request, ctx, upstream, metrics)
+    answer = await _call_upstream(request, ctx, upstream, payload, metrics)
     if isinstance(answer, Response):
         return answer
     stripped = await _record(request, ctx, upstream, answer, ledger, metrics)
+    try:
+        response = _answer(dialect, upstream, stripped.harness_body, body)
+    except Exception as exc:  # a 200 without a usable choice: an upstream error, not ours
+        log.warning("unanswerable upstream answer rollout=%s: %s", rollout_id, exc)
+        metrics.upstream_errors.labels("bad_answer").inc()
+        return _unreadable_answer(dialect, upstream, f"{type(exc).__name__}: {exc}")
     metrics.proxy_calls.labels(dialect.value, "ok").inc()
-    return _answer(dialect, upstream, stripped.harness_body, body)
+    return response
+
+
+def _json_bytes(value: Any) -> bytes:
+    """``value`` as the JSON the upstream gets; NaN, infinities and unpaired surrogates (which
+    Python's parser accepts) cannot be sent, so they are the harness's error, not ours."""
+    try:
+        text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+        return text.encode("utf-8")
+    except ValueError as exc:  # UnicodeEncodeError is a ValueError
+        raise d.InvalidRequest(
+            f"the request body holds a value JSON cannot carry (NaN, Infinity or an unpaired "
+            f"surrogate such as \\ud800): {exc}"
+        ) from exc
+
+
+def _request_error(exc: Exception) -> d.DialectError:
+    """The 400 for a request body the proxy cannot send upstream."""
+    if isinstance(exc, d.DialectError):
+        return exc
+    if isinstance(exc, ValueError):  # json.JSONDecodeError, UnicodeDecodeError
+        return d.InvalidRequest(f"the request body is not valid JSON: {exc}")
+    # A shape the translators did not foresee (a number where an object belongs, ...).
+    log.warning("untranslatable request body: %s: %s", type(exc).__name__, exc)
+    return d.InvalidRequest(
+        f"the request body has a shape the proxy cannot translate ({type(exc).__name__}: "
+        f"{exc}); check it against the API's request schema"
+    )
 
 
 def _build_upstream(
@@ -275,14 +320,18 @@ def _fingerprint(items: list[dict[str, Any]]) -> str:
 
 
 async def _call_upstream(
-    request: Request, ctx: CallContext, upstream: d.UpstreamRequest, metrics: Metrics
+    request: Request,
+    ctx: CallContext,
+    upstream: d.UpstreamRequest,
+    payload: bytes,
+    metrics: Metrics,
 ) -> dict[str, Any] | Response:
     """POST upstream; on failure answer in the dialect and settle the intent."""
     client: httpx.AsyncClient = request.app.state.upstream
     ledger: Ledger = request.app.state.ledger
     started = time.perf_counter()
     try:
-        resp = await client.post(upstream.path, json=upstream.body, headers=_auth_headers(request))
+        resp = await client.post(upstream.path, content=payload, headers=_json_headers(request))
         raw = resp.content
     except (httpx.HTTPError, ConnectionError) as exc:
         timeout = isinstance(exc, httpx.TimeoutException)
@@ -312,9 +361,21 @@ async def _call_upstream(
     except ValueError as exc:
         metrics.upstream_errors.labels("bad_json").inc()
         await _settle(ledger, ctx, "malformed_token_payload", f"upstream answer is not JSON: {exc}")
-        reply = d.transport_error_reply(ctx.dialect, timeout=False, detail="invalid JSON answer")
-        return _error_response(reply, stream=upstream.stream, dialect=ctx.dialect)
+        return _unreadable_answer(ctx.dialect, upstream, "not a JSON object")
     return answer
+
+
+def _unreadable_answer(dialect: d.Dialect, upstream: d.UpstreamRequest, detail: str) -> Response:
+    """A 502 in the harness's dialect for a successful upstream answer it cannot be given."""
+    error = d.UpstreamError(
+        status=502, message=f"the inference server answered with something unusable: {detail}"
+    )
+    reply = d.upstream_error_reply(dialect, error)
+    return _error_response(reply, stream=upstream.stream, dialect=dialect)
+
+
+def _json_headers(request: Request) -> dict[str, str]:
+    return {**_auth_headers(request), "content-type": "application/json"}
 
 
 def _auth_headers(request: Request) -> dict[str, str]:
@@ -331,8 +392,17 @@ async def _settle(ledger: Ledger, ctx: CallContext, reason: str, detail: str) ->
         )
     except RolloutFrozen:
         pass
-    except LedgerError as exc:
+    except Exception as exc:  # LedgerError or unexpected: logged, the call goes on
         log.error("could not mark rollout=%s incomplete (%s): %s", ctx.rollout_id, reason, exc)
+    else:
+        ctx.metrics.incomplete.labels(reason).inc()
+        log.warning(
+            "rollout=%s call=%s marked incomplete: %s (%s)",
+            ctx.rollout_id,
+            ctx.model_call_id,
+            reason,
+            detail[:300],
+        )
 
 
 async def _cancel(ledger: Ledger, ctx: CallContext) -> None:
@@ -362,14 +432,17 @@ async def _record(
             payload = await _tokenize(request, upstream, payload, answer)
     except TokenExtractionError as exc:
         await _settle(ledger, ctx, exc.reason, str(exc))
-        metrics.incomplete.labels(exc.reason).inc()
+        return stripped
+    except Exception as exc:  # a capture bug must not fail the model call (§4.9)
+        log.exception("extraction failed rollout=%s call=%s", ctx.rollout_id, ctx.model_call_id)
+        await _settle(ledger, ctx, "capture_failed", f"{type(exc).__name__}: {exc}")
         return stripped
     if chat:
         stripped = _as_response_items(stripped)
     record = _entry(ctx, payload, stripped, answer)
     try:
-        cont = continuation_fingerprint(ctx.request_items, stripped.output_items)
-    except (TypeError, ValueError):
+        cont = continuation_fingerprint(ctx.request_items, _echoed_output(ctx.dialect, stripped))
+    except Exception:  # best effort: without it only drift goes undiagnosed
         cont = ""
     try:
         result = await ledger.put(
@@ -391,9 +464,10 @@ async def _record(
         # Frozen while in flight (the harness was stopped): freeze already judged this call
         # from its intent; changing the frozen state would break conditional retirement.
         log.warning("late record dropped rollout=%s call=%s", ctx.rollout_id, ctx.model_call_id)
-    except LedgerError as exc:
+    except Exception as exc:  # LedgerError, or anything unexpected: never fail the call
+        if not isinstance(exc, LedgerError):
+            log.exception("record failed rollout=%s call=%s", ctx.rollout_id, ctx.model_call_id)
         await _settle(ledger, ctx, "capture_failed", f"{type(exc).__name__}: {exc}")
-        metrics.incomplete.labels("capture_failed").inc()
     return stripped
 
 
@@ -403,11 +477,25 @@ def _as_response_items(stripped: StrippedResponse) -> StrippedResponse:
     trainer.  The tokens belong to the last item, as in NeMo Gym's model server."""
     try:
         items = d.chat_to_responses_response(stripped.harness_body)["output"]
-    except (ValueError, KeyError, TypeError):
+    except Exception:  # best effort: an odd answer keeps its chat-shaped item
         return stripped
     if not items:
         return stripped
     return StrippedResponse(stripped.harness_body, items, stripped.response_id, len(items) - 1)
+
+
+def _echoed_output(dialect: d.Dialect, stripped: StrippedResponse) -> list[dict[str, Any]]:
+    """This call's output as the harness sees it, and so echoes it in its next request.
+
+    An Anthropic harness gets ``tool_use.input`` objects derived from the chat ``arguments``
+    (arguments that are not a JSON object become ``{}``), so its continuation must be
+    fingerprinted from that message, or the next request never matches it and drift goes
+    undiagnosed.
+    """
+    if dialect is d.Dialect.ANTHROPIC:
+        content = d.chat_to_anthropic_message(stripped.harness_body)["content"]
+        return [{"role": "assistant", "content": content}]
+    return stripped.output_items
 
 
 async def _tokenize(
@@ -531,15 +619,14 @@ async def _count_tokens(request: Request) -> Response:
     client: httpx.AsyncClient = request.app.state.upstream
     try:
         body = json.loads(await request.body())
-        tokenize = d.anthropic_count_tokens_tokenize_body(body)
-    except ValueError as exc:
-        message = exc.message if isinstance(exc, d.DialectError) else f"invalid JSON: {exc}"
-        return JSONResponse(
-            {"type": "error", "error": {"type": "invalid_request_error", "message": message}},
-            status_code=400,
-        )
+        if not isinstance(body, dict):
+            raise d.InvalidRequest("the request body must be a JSON object")
+        tokenize = _json_bytes(d.anthropic_count_tokens_tokenize_body(body))
+    except Exception as exc:  # refused before anything was sent
+        reply = d.request_error_reply(d.Dialect.ANTHROPIC, _request_error(exc))
+        return JSONResponse(reply.body, status_code=reply.status)
     try:
-        resp = await client.post("/tokenize", json=tokenize, headers=_auth_headers(request))
+        resp = await client.post("/tokenize", content=tokenize, headers=_json_headers(request))
     except httpx.HTTPError as exc:
         reply = d.transport_error_reply(
             d.Dialect.ANTHROPIC, timeout=isinstance(exc, httpx.TimeoutException), detail=str(exc)
@@ -550,7 +637,14 @@ async def _count_tokens(request: Request) -> Response:
             d.Dialect.ANTHROPIC, d.parse_upstream_error(resp.status_code, resp.content)
         )
         return JSONResponse(reply.body, status_code=reply.status)
-    return JSONResponse(d.anthropic_count_tokens_response(resp.json()))
+    try:
+        return JSONResponse(d.anthropic_count_tokens_response(resp.json()))
+    except (ValueError, TypeError, AttributeError) as exc:
+        unusable = d.UpstreamError(
+            status=502, message=f"the inference server's /tokenize answer is unusable: {exc}"
+        )
+        reply = d.upstream_error_reply(d.Dialect.ANTHROPIC, unusable)
+        return JSONResponse(reply.body, status_code=reply.status)
 
 
 async def _non_generating(
@@ -566,21 +660,21 @@ async def _non_generating(
     succeeds.  Any other outcome (2xx/3xx of an undeclared route, 5xx, an exception, no
     response) may have put policy text in front of the harness: the rollout is incomplete.
     """
-    ledger: Ledger = request.app.state.ledger
     route = f"{method} {rest}"
     try:
         response = await _forward(request, rest)
     except Exception as exc:
-        await _mark_route(ledger, rollout_id, route, f"exception: {exc}")
+        await _mark_route(request, rollout_id, route, f"exception: {exc}")
         raise
     status = response.status_code
     harmless = status in (404, 405) or ((method, rest) in declared and 200 <= status < 300)
     if not harmless:
-        await _mark_route(ledger, rollout_id, route, f"status {status}")
+        await _mark_route(request, rollout_id, route, f"status {status}")
     return response
 
 
-async def _mark_route(ledger: Ledger, rollout_id: str, route: str, outcome: str) -> None:
+async def _mark_route(request: Request, rollout_id: str, route: str, outcome: str) -> None:
+    ledger: Ledger = request.app.state.ledger
     try:
         await ledger.mark_incomplete(
             rollout_id,
@@ -590,3 +684,5 @@ async def _mark_route(ledger: Ledger, rollout_id: str, route: str, outcome: str)
         )
     except LedgerError as exc:
         log.error("could not mark rollout=%s incomplete for %s: %s", rollout_id, route, exc)
+    else:
+        request.app.state.metrics.incomplete.labels("unrecognized_route").inc()

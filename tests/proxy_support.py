@@ -16,10 +16,13 @@ import httpx
 import pytest
 
 from api.app import create_app
+from ledger import migrate
 from ledger.config import Settings, load_settings
 from ledger.delivery import finalize_rollout_token_capture
+from ledger.errors import NotFound
 from ledger.sim import ByteTokenizer, SimEngine, ThreadedServer
-from ledger.store import Ledger
+from ledger.store import Audit, Ledger
+from tests.conftest import BACKENDS, require_postgres
 
 
 class RecordingTransport(httpx.AsyncHTTPTransport):
@@ -31,14 +34,29 @@ class RecordingTransport(httpx.AsyncHTTPTransport):
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         response = await super().handle_async_request(request)
-        if request.url.path in ("/v1/chat/completions", "/v1/completions"):
+        if request.url.path in ("/v1/chat/completions", "/v1/completions") and _asked_for_ids(
+            request
+        ):
             body = await response.aread()
             if response.status_code == 200:
                 self.sink.append(json.loads(body))
+            # An unread stream, so the proxy can still read (or stream) the answer.
             return httpx.Response(
-                response.status_code, headers=response.headers, content=body, request=request
+                response.status_code,
+                headers=response.headers,
+                stream=httpx.ByteStream(body),
+                request=request,
             )
         return response
+
+
+def _asked_for_ids(request: httpx.Request) -> bool:
+    """A capture request (the proxy asked for token ids); pass-through bodies stream."""
+    try:
+        sent = json.loads(request.content)
+    except (httpx.RequestNotRead, ValueError):
+        return False
+    return isinstance(sent, dict) and sent.get("return_token_ids") is True
 
 
 @dataclass
@@ -76,6 +94,30 @@ class Stack:
 
         return asyncio.run(run())
 
+    def detail(self, rollout_id: str) -> dict[str, Any] | None:
+        """The audit view of one rollout (calls, edges, incomplete events), None if unknown."""
+
+        async def run() -> dict[str, Any] | None:
+            led = Ledger(self.db_url)
+            try:
+                return await Audit(led).rollout_detail(rollout_id)
+            except NotFound:
+                return None
+            finally:
+                await led.close()
+
+        return asyncio.run(run())
+
+    def captured(self, rollout_id: str) -> int:
+        """How many calls of the rollout are committed with their tokens."""
+        info = self.detail(rollout_id)
+        return 0 if info is None else sum(c["status"] == "captured" for c in info["calls"])
+
+    def reasons(self, rollout_id: str) -> list[str]:
+        """The incomplete-event reasons stored for the rollout, in order."""
+        info = self.detail(rollout_id)
+        return [] if info is None else [e["reason"] for e in info["incomplete_events"]]
+
 
 def start_stack(
     db_url: str, engine: SimEngine | None = None, **settings_kw: Any
@@ -94,6 +136,58 @@ def stack(db_url: str) -> Iterator[Stack]:
     yield from start_stack(db_url)
 
 
+# Shared stacks: one per backend for the whole session (starting two uvicorn servers per test
+# dominates a proxy test's cost).  Tests sharing one use unique rollout ids (`rid`), and the
+# function-scoped fixtures below reset the engine and `sampled` before each test.
+
+
+@pytest.fixture(scope="session", params=BACKENDS)
+def session_db_url(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A migrated database shared by the session: one SQLite file, or the run's Postgres."""
+    if request.param == "sqlite":
+        url = f"sqlite+aiosqlite:///{tmp_path_factory.mktemp('shared') / 'ledger.db'}"
+    else:
+        url = require_postgres()
+    migrate.upgrade(url)
+    return url
+
+
+def reset(stack: Stack) -> Stack:
+    """Forget what earlier tests left in a shared stack's engine and recordings."""
+    engine = stack.engine
+    engine.requests.clear()
+    engine.faults.clear()
+    engine._scripts.clear()
+    engine.responder = None
+    stack.sampled.clear()
+    return stack
+
+
+@pytest.fixture(scope="session")
+def _session_stack(session_db_url: str) -> Iterator[Stack]:
+    yield from start_stack(session_db_url)
+
+
+@pytest.fixture
+def shared_stack(_session_stack: Stack) -> Stack:
+    """Like `stack`, but the proxy and engine are shared across the session (per backend)."""
+    return reset(_session_stack)
+
+
+@pytest.fixture(scope="session")
+def _session_thinking_stack(session_db_url: str) -> Iterator[Stack]:
+    engine = SimEngine(
+        ByteTokenizer(), model_name="smol", max_model_len=16384, seed=5, reasoning_parser=True
+    )
+    yield from start_stack(session_db_url, engine=engine)
+
+
+@pytest.fixture
+def shared_thinking_stack(_session_thinking_stack: Stack) -> Stack:
+    """A shared stack whose engine runs a reasoning parser (`<think>…</think>`)."""
+    return reset(_session_thinking_stack)
+
+
 def sampled_chain(stack: Stack, indices: list[int]) -> tuple[list[int], list[int], list[float]]:
     """The full last prompt, all generated ids and all log-probs of the given upstream answers."""
     gen: list[int] = []
@@ -102,7 +196,11 @@ def sampled_chain(stack: Stack, indices: list[int]) -> tuple[list[int], list[int
         answer = stack.sampled[i]
         choice = answer["choices"][0]
         gen += choice["token_ids"]
-        lps += [c["logprob"] for c in choice["logprobs"]["content"]]
+        logprobs = choice["logprobs"]
+        if "content" in logprobs:  # chat
+            lps += [c["logprob"] for c in logprobs["content"]]
+        else:  # completions: the legacy shape
+            lps += logprobs["token_logprobs"]
     last = stack.sampled[indices[-1]]
     prompt = last.get("prompt_token_ids") or last["choices"][0]["prompt_token_ids"]
     return prompt, gen, lps

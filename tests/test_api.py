@@ -961,11 +961,6 @@ async def test_openapi_is_published_and_documents_error_bodies(api: Api) -> None
     assert "/healthz" in paths
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="api/proxy.py _settle/_mark_route mark rollouts incomplete without counting "
-    "rollout_ledger_incomplete_marks_total{reason=...}",
-)
 async def test_proxy_incomplete_marks_are_counted_by_reason(db_url: str, rid: Rid) -> None:
     async def upstream(request: httpx.Request) -> httpx.Response:
         raise httpx.ConnectError("refused", request=request)

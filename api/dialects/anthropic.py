@@ -43,10 +43,12 @@ from api.dialects.common import (
     JSONDict,
     UnsupportedRequest,
     content_value,
+    list_or_empty,
     mapping_or_empty,
     parse_tool_input,
     reasoning_text,
     single_choice,
+    token_count,
 )
 
 __all__ = [
@@ -120,7 +122,7 @@ def _system_content(system: Any) -> str | list[JSONDict]:
 def _translate_message(message: Mapping[str, Any], index: int) -> list[JSONDict]:
     role = message.get("role")
     content = message.get("content")
-    if role not in _USER_ROLES and role != "assistant":
+    if not isinstance(role, str) or (role not in _USER_ROLES and role != "assistant"):
         raise InvalidRequest(f"messages[{index}].role {role!r} is not user or assistant")
     chat_role = "assistant" if role == "assistant" else "user"
     if isinstance(content, str):
@@ -288,7 +290,7 @@ def _chat_tool_choice(choice: Any) -> JSONDict:
     kind = choice.get("type")
     if kind == "tool":
         fields["tool_choice"] = {"type": "function", "function": {"name": choice.get("name")}}
-    elif kind in _TOOL_CHOICE:
+    elif isinstance(kind, str) and kind in _TOOL_CHOICE:
         fields["tool_choice"] = _TOOL_CHOICE[str(kind)]
     if choice.get("disable_parallel_tool_use") is True:
         fields["parallel_tool_calls"] = False
@@ -366,7 +368,7 @@ def _anthropic_content(message: Mapping[str, Any]) -> list[JSONDict]:
     text = message.get("content")
     if isinstance(text, str) and text:
         blocks.append({"type": "text", "text": text})
-    for call in map(mapping_or_empty, message.get("tool_calls") or ()):
+    for call in map(mapping_or_empty, list_or_empty(message.get("tool_calls"))):
         function = mapping_or_empty(call.get("function"))
         blocks.append(
             {
@@ -405,8 +407,8 @@ def _stop_reason(choice: Mapping[str, Any], has_tool_use: bool) -> tuple[str, st
 def _anthropic_usage(usage: Any) -> JSONDict:
     usage = mapping_or_empty(usage)
     return {
-        "input_tokens": int(usage.get("prompt_tokens") or 0),
-        "output_tokens": int(usage.get("completion_tokens") or 0),
+        "input_tokens": token_count(usage.get("prompt_tokens")),
+        "output_tokens": token_count(usage.get("completion_tokens")),
         "cache_creation_input_tokens": 0,
         "cache_read_input_tokens": 0,
     }

@@ -23,10 +23,12 @@ __all__ = [
     "UnsupportedRequest",
     "content_value",
     "dumps_compact",
+    "list_or_empty",
     "mapping_or_empty",
     "parse_tool_input",
     "reasoning_text",
     "single_choice",
+    "token_count",
 ]
 
 JSONDict = dict[str, Any]
@@ -78,6 +80,23 @@ def content_value(parts: list[JSONDict]) -> str | list[JSONDict]:
 def mapping_or_empty(value: Any) -> Mapping[str, Any]:
     """``value`` if it is a JSON object, else an empty one (for optional sub-objects)."""
     return value if isinstance(value, Mapping) else {}
+
+
+def list_or_empty(value: Any) -> list[Any]:
+    """``value`` if it is a JSON array, else an empty one (for optional lists)."""
+    return value if isinstance(value, list) else []
+
+
+def token_count(value: Any) -> int:
+    """A usage count as an int: a non-negative integer (or integral float) as is, anything
+    else (null, a string, infinity, NaN) as 0; usage numbers are informational here."""
+    if isinstance(value, bool):
+        return 0
+    if isinstance(value, int):
+        return max(value, 0)
+    if isinstance(value, float) and value.is_integer() and value >= 0:
+        return int(value)
+    return 0
 
 
 # --- readers of a chat completion (shared by the response translators and SSE) ---

@@ -45,9 +45,11 @@ from api.dialects.common import (
     JSONDict,
     UnsupportedRequest,
     content_value,
+    list_or_empty,
     mapping_or_empty,
     reasoning_text,
     single_choice,
+    token_count,
 )
 from ledger.fingerprint import CUSTOM_TOOL_INPUT_KEY, NAMESPACE_SEPARATOR
 
@@ -94,7 +96,7 @@ def _expressible_tools(tools: Any) -> Iterator[tuple[ToolOrigin, Mapping[str, An
         raise InvalidRequest("`tools` must be a list", param="tools")
     for tool in map(mapping_or_empty, tools):
         if tool.get("type") == "namespace":
-            for inner in map(mapping_or_empty, tool.get("tools") or ()):
+            for inner in map(mapping_or_empty, list_or_empty(tool.get("tools"))):
                 yield from _leaf_tool(inner, str(tool.get("name")))
         else:
             yield from _leaf_tool(tool, None)
@@ -350,7 +352,7 @@ def _content_parts(content: Any, index: int) -> list[JSONDict]:
 
 def _content_part(part: Mapping[str, Any], index: int) -> JSONDict:
     kind = part.get("type")
-    if kind in _TEXT_PARTS:
+    if isinstance(kind, str) and kind in _TEXT_PARTS:
         return {"type": "text", "text": str(part.get("text") or "")}
     if kind == "refusal":
         return {"type": "text", "text": str(part.get("refusal") or "")}
@@ -367,11 +369,11 @@ def _content_part(part: Mapping[str, Any], index: int) -> JSONDict:
 
 def _reasoning_item_text(item: Mapping[str, Any]) -> str:
     """The reasoning text to replay: full ``content`` if kept, else the summaries."""
-    content = [mapping_or_empty(part).get("text") for part in item.get("content") or ()]
+    content = [mapping_or_empty(part).get("text") for part in list_or_empty(item.get("content"))]
     texts = [text for text in content if isinstance(text, str)]
     if texts:
         return "".join(texts)
-    summary = [mapping_or_empty(part).get("text") for part in item.get("summary") or ()]
+    summary = [mapping_or_empty(part).get("text") for part in list_or_empty(item.get("summary"))]
     return "\n".join(text for text in summary if isinstance(text, str))
 
 
@@ -467,7 +469,7 @@ def _output_items(
                 "content": [{"type": "reasoning_text", "text": reasoning}],
             }
         )
-    calls = [mapping_or_empty(call) for call in message.get("tool_calls") or ()]
+    calls = [mapping_or_empty(call) for call in list_or_empty(message.get("tool_calls"))]
     text = message.get("content")
     text = text if isinstance(text, str) else ""
     if text.strip() or not calls:
@@ -532,14 +534,14 @@ def _custom_tool_input(arguments: str) -> str:
 def _responses_usage(usage: Any) -> JSONDict | None:
     if not isinstance(usage, Mapping):
         return None
-    prompt = int(usage.get("prompt_tokens") or 0)
-    completion = int(usage.get("completion_tokens") or 0)
+    prompt = token_count(usage.get("prompt_tokens"))
+    completion = token_count(usage.get("completion_tokens"))
     cached = mapping_or_empty(usage.get("prompt_tokens_details")).get("cached_tokens")
     reasoning = mapping_or_empty(usage.get("completion_tokens_details")).get("reasoning_tokens")
     return {
         "input_tokens": prompt,
-        "input_tokens_details": {"cached_tokens": int(cached or 0), "cache_write_tokens": 0},
+        "input_tokens_details": {"cached_tokens": token_count(cached), "cache_write_tokens": 0},
         "output_tokens": completion,
-        "output_tokens_details": {"reasoning_tokens": int(reasoning or 0)},
-        "total_tokens": int(usage.get("total_tokens") or prompt + completion),
+        "output_tokens_details": {"reasoning_tokens": token_count(reasoning)},
+        "total_tokens": token_count(usage.get("total_tokens")) or prompt + completion,
     }

@@ -24,7 +24,13 @@ from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
 from itertools import count
 from typing import Any
 
-from api.dialects.common import JSONDict, dumps_compact, mapping_or_empty, single_choice
+from api.dialects.common import (
+    JSONDict,
+    dumps_compact,
+    list_or_empty,
+    mapping_or_empty,
+    single_choice,
+)
 
 __all__ = [
     "SSE_DONE",
@@ -80,7 +86,7 @@ def chat_completion_sse(
             yield chunk({field: message[field]})
     if isinstance(message.get("content"), str) and message["content"]:
         yield chunk({"content": message["content"]})
-    for index, call in enumerate(map(mapping_or_empty, message.get("tool_calls") or ())):
+    for index, call in enumerate(map(mapping_or_empty, list_or_empty(message.get("tool_calls")))):
         yield from _tool_call_chunks(chunk, index, call)
     yield chunk({}, choice.get("finish_reason"), choice.get("logprobs"))
     if include_usage:
