@@ -11,11 +11,9 @@ Every error answer has the body ``{"error": {"code", "message", ...}}`` naming w
 
 from __future__ import annotations
 
-import base64
 import logging
 import math
 import time
-from array import array
 from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal
 
@@ -23,11 +21,18 @@ from fastapi import APIRouter, Depends, Path, Query, Request, Response
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from api.auth import require
-from ledger import codec
 from ledger.errors import InvalidInput, NotFound, PayloadConflict, RolloutRetired, StateConflict
 from ledger.ids import MAX_ROLLOUT_ID_LEN
-from ledger.records import TokenEntry, coerce_entry
+from ledger.records import coerce_entry
 from ledger.store import Audit, Ledger
+from ledger.wire import (
+    TokenEncoding,
+    decode_record,
+    encode_entry,
+    finite_json,
+    pack_b64_ids,
+    unpack_b64_ids,
+)
 
 log = logging.getLogger("rollout_ledger.api.ledger")
 
@@ -37,7 +42,6 @@ RolloutId = Annotated[
     str, Path(pattern=ID_PATTERN, max_length=MAX_ROLLOUT_ID_LEN, description="Rollout id.")
 ]
 CallId = Annotated[str, Path(pattern=ID_PATTERN, max_length=200, description="Model call id.")]
-TokenEncoding = Literal["json", "packed-v1"]
 
 
 # --------------------------------------------------------------------------- errors
@@ -138,84 +142,6 @@ def ledger_of(request: Request) -> Ledger:
 
 
 LedgerDep = Annotated[Ledger, Depends(ledger_of)]
-
-
-# --------------------------------------------------------------------------- packed encoding
-
-
-def pack_b64_ids(ids: list[int]) -> str:
-    return base64.b64encode(codec.pack_ids(ids)).decode()
-
-
-def pack_b64_floats(values: list[float]) -> str:
-    return base64.b64encode(array("d", values).tobytes()).decode()
-
-
-def _b64(value: str, field: str) -> bytes:
-    try:
-        data = base64.b64decode(value, validate=True)
-    except ValueError:
-        raise InvalidInput(f"{field}: not valid base64 for token_encoding packed-v1") from None
-    return data
-
-
-def unpack_b64_ids(value: str, field: str) -> list[int]:
-    data = _b64(value, field)
-    if len(data) % 4:
-        raise InvalidInput(f"{field}: packed ids must be a multiple of 4 bytes")
-    return codec.unpack_ids(data)
-
-
-def unpack_b64_floats(value: str, field: str) -> list[float]:
-    data = _b64(value, field)
-    if len(data) % 8:
-        raise InvalidInput(f"{field}: packed log-probs must be a multiple of 8 bytes")
-    out = array("d")
-    out.frombytes(data)
-    return out.tolist()
-
-
-def decode_record(raw: dict[str, Any], encoding: TokenEncoding) -> dict[str, Any]:
-    if encoding == "json":
-        return raw
-    out = dict(raw)
-    for name in ("prompt_token_ids", "generation_token_ids"):
-        if isinstance(out.get(name), str):
-            out[name] = unpack_b64_ids(out[name], name)
-    if isinstance(out.get("generation_log_probs"), str):
-        out["generation_log_probs"] = unpack_b64_floats(
-            out["generation_log_probs"], "generation_log_probs"
-        )
-    return out
-
-
-def json_float(x: float) -> float | str:
-    """JSON has no -inf: a non-finite value is written as a string, never as a lossy null."""
-    if math.isfinite(x):
-        return x
-    return "NaN" if math.isnan(x) else ("-Infinity" if x < 0 else "Infinity")
-
-
-def finite_json(value: Any) -> Any:
-    """``value`` with every non-finite float written as a string (see ``json_float``)."""
-    if isinstance(value, float):
-        return json_float(value)
-    if isinstance(value, dict):
-        return {k: finite_json(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [finite_json(v) for v in value]
-    return value
-
-
-def encode_entry(entry: TokenEntry, encoding: TokenEncoding) -> dict[str, Any]:
-    data = entry.model_dump(mode="json")
-    if encoding == "packed-v1":
-        data["prompt_token_ids"] = pack_b64_ids(entry.prompt_token_ids)
-        data["generation_token_ids"] = pack_b64_ids(entry.generation_token_ids)
-        data["generation_log_probs"] = pack_b64_floats(entry.generation_log_probs)
-    else:
-        data["generation_log_probs"] = [json_float(x) for x in entry.generation_log_probs]
-    return data
 
 
 # --------------------------------------------------------------------------- bodies

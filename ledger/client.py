@@ -15,15 +15,12 @@ carries them as float64 bytes.
 from __future__ import annotations
 
 import asyncio
-import base64
-import math
 import random
-from array import array
 from typing import Any
 
 import httpx
 
-from ledger import codec
+from ledger import wire
 from ledger.errors import (
     AccessDenied,
     InvalidInput,
@@ -54,7 +51,7 @@ class RemoteLedger:
         url: str,
         *,
         token: str | None = None,
-        token_encoding: str = "json",
+        token_encoding: wire.TokenEncoding = "json",
         timeout_s: float = 60.0,
         retries: int = 5,
         backoff_s: float = 0.2,
@@ -123,15 +120,7 @@ class RemoteLedger:
         continuation_fingerprint: str = "",
     ) -> PutResult:
         e = coerce_entry(entry)
-        record = e.model_dump(mode="json")
-        if self.token_encoding == "packed-v1":
-            record["prompt_token_ids"] = _b64_ids(e.prompt_token_ids)
-            record["generation_token_ids"] = _b64_ids(e.generation_token_ids)
-            record["generation_log_probs"] = base64.b64encode(
-                array("d", e.generation_log_probs).tobytes()
-            ).decode()
-        else:
-            record["generation_log_probs"] = [_json_float(x) for x in e.generation_log_probs]
+        record = wire.encode_entry(e, self.token_encoding)
         body = {
             "record": record,
             "token_encoding": self.token_encoding,
@@ -164,7 +153,7 @@ class RemoteLedger:
     async def resolve(self, rollout_id: str, prompt_token_ids: list[int]) -> LineageResolution:
         if self.token_encoding == "packed-v1":
             body: dict[str, Any] = {
-                "prompt_token_ids": _b64_ids(prompt_token_ids),
+                "prompt_token_ids": wire.pack_b64_ids(prompt_token_ids),
                 "token_encoding": "packed-v1",
             }
         else:
@@ -174,7 +163,7 @@ class RemoteLedger:
         ).json()
         cum = data["cumulative_token_ids"]
         if isinstance(cum, str):
-            cum = codec.unpack_ids(base64.b64decode(cum))
+            cum = wire.unpack_b64_ids(cum, "cumulative_token_ids")
         return LineageResolution(
             data["status"], data["model_call_id"], cum, data["digest"], data["reason"]
         )
@@ -191,17 +180,9 @@ class RemoteLedger:
         ).json()
         entries = []
         for raw in data["entries"]:
-            if data["token_encoding"] == "packed-v1":
-                raw["prompt_token_ids"] = codec.unpack_ids(
-                    base64.b64decode(raw["prompt_token_ids"])
-                )
-                raw["generation_token_ids"] = codec.unpack_ids(
-                    base64.b64decode(raw["generation_token_ids"])
-                )
-                lps = array("d")
-                lps.frombytes(base64.b64decode(raw["generation_log_probs"]))
-                raw["generation_log_probs"] = lps.tolist()
-            entries.append(TokenEntry.model_validate(raw))
+            entries.append(
+                TokenEntry.model_validate(wire.decode_record(raw, data["token_encoding"]))
+            )
         return FrozenSnapshot(
             data["rollout_id"],
             tuple(entries),
@@ -229,7 +210,7 @@ class RemoteLedger:
             await self._call(
                 "POST",
                 "/finalize",
-                json={"result": _finite(result), "deliver": deliver, "consumer": consumer},
+                json={"result": wire.finite_json(result), "deliver": deliver, "consumer": consumer},
             )
         ).json()
         build: dict[str, Any] = data["build"]
@@ -260,27 +241,6 @@ class RemoteLedger:
             await self._call("POST", "/admin/sweep", json={"older_than_s": older_than_s})
         ).json()
         return int(data["removed"])
-
-
-def _json_float(x: float) -> float | str:
-    if math.isfinite(x):
-        return x
-    return "NaN" if math.isnan(x) else ("-Infinity" if x < 0 else "Infinity")
-
-
-def _finite(value: Any) -> Any:
-    """``value`` with non-finite floats as strings, so it can be sent as standard JSON."""
-    if isinstance(value, float):
-        return _json_float(value)
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_finite(v) for v in value]
-    return value
-
-
-def _b64_ids(ids: list[int]) -> str:
-    return base64.b64encode(codec.pack_ids(ids)).decode()
 
 
 def _error(resp: httpx.Response) -> LedgerError:
