@@ -27,7 +27,7 @@ from typing import Any
 
 import httpx
 
-from bench import direct, machine, micro, proxy, replay, report
+from bench import direct, machine, micro, proxy, replay, report, transport
 from bench.dbs import DbFactory
 from bench.variants import make_ledger
 from bench.workload import Workload
@@ -476,6 +476,8 @@ async def run(cfg: Config, out_json: Path, docs_dir: Path) -> dict[str, Any]:
                                 backend, "nogroup", cfg, f, rec, sim, logs, with_load=True
                             )
                         b["proxy_variants"] = pv
+        async with rec.phase("transport: JSON lists vs packed-v1"):
+            results["transport"] = await transport.measure(f.tmp, quick=cfg.mode == "quick")
     finally:
         await f.cleanup()
     results["meta"]["duration_s"] = time.perf_counter() - rec.t0

@@ -867,6 +867,38 @@ def render(r: dict[str, Any], pngs: list[str], results_path: Path, docs: Path) -
             "the proposed versions are checked to return the same result.\n"
         )
 
+    tr = r.get("transport")
+    if tr:
+        add("## Token arrays on the wire: JSON lists vs packed-v1\n")
+        add(
+            _table(
+                [
+                    "prompt tokens",
+                    "encoding",
+                    "put body bytes",
+                    "put p50 ms",
+                    "freeze body bytes",
+                    "freeze p50 ms",
+                ],
+                [
+                    [
+                        f"{row['prompt_tokens']:,}",
+                        row["encoding"],
+                        f"{row['put_body_bytes']:,}",
+                        _f(row["put_p50_ms"]),
+                        f"{row['freeze_body_bytes']:,}",
+                        _f(row["freeze_p50_ms"]),
+                    ]
+                    for row in tr["rows"]
+                ],
+            )
+        )
+        add(
+            f"\nRoot records with {tr['gen_tokens']} generated tokens through `RemoteLedger` to a "
+            "loopback ledger service (SQLite), `bench/transport.py`; ids drawn from a 151k "
+            "vocabulary. packed-v1 is base64 of int32 ids and float64 log-probs.\n"
+        )
+
     add("## Phases\n")
     add(
         _table(
