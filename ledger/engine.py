@@ -14,6 +14,7 @@ a worker.
 from __future__ import annotations
 
 import os
+import time
 from typing import Any
 
 from sqlalchemy import create_engine, event
@@ -68,9 +69,9 @@ def _sqlite_setup(engine: Engine) -> None:
         # Take transaction control away from the driver so BEGIN is ours to emit.
         dbapi_conn.isolation_level = None
         cur = dbapi_conn.cursor()
-        cur.execute("PRAGMA journal_mode=WAL")
-        cur.execute("PRAGMA synchronous=FULL")
         cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+        _ensure_wal(cur)
+        cur.execute("PRAGMA synchronous=FULL")
         cur.execute("PRAGMA foreign_keys=ON")
         cur.close()
 
@@ -80,6 +81,31 @@ def _sqlite_setup(engine: Engine) -> None:
             conn.exec_driver_sql("BEGIN")
         else:
             conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+
+def _ensure_wal(cur: Any) -> None:
+    """Switch a database file to WAL once (the mode persists in the file).
+
+    Switching needs an exclusive lock and SQLite may answer "database is locked" without
+    waiting on the busy handler when another process is opening the same new file, so the
+    switch is retried until the busy timeout.
+    """
+    cur.execute("PRAGMA journal_mode")
+    row = cur.fetchone()
+    if row and str(row[0]).lower() == "wal":
+        return
+    deadline = time.monotonic() + SQLITE_BUSY_TIMEOUT_MS / 1000
+    delay = 0.005
+    while True:
+        try:
+            cur.execute("PRAGMA journal_mode=WAL")
+            cur.fetchone()
+            return
+        except Exception as exc:  # sqlite3.OperationalError through either driver
+            if "locked" not in str(exc).lower() or time.monotonic() > deadline:
+                raise
+            time.sleep(delay)  # only at first connection to a brand-new file
+            delay = min(delay * 2, 0.2)
 
 
 def _sqlite_file(url: URL) -> None:
