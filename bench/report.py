@@ -440,7 +440,7 @@ def render(r: dict[str, Any], pngs: list[str], results_path: Path, docs: Path) -
     labels = {
         "nogroup": "without group commit (a commit per write)",
         "lazyintent": "intent without its own flush (prototype)",
-        "nosync": "synchronous=OFF (diagnostic, NOT durable)",
+        "nosync": "synchronous=OFF, no group commit (diagnostic, NOT durable)",
     }
 
     def ingest_row(label: str, v: dict[str, Any], alone: Any = None) -> list[Any]:

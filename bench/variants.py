@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import contextvars
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any, TypeVar
 
 from sqlalchemy import event
-from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
+from sqlalchemy.engine import Connection
+from sqlalchemy.ext.asyncio import AsyncEngine
 
 from ledger.engine import make_engine
 from ledger.store import Ledger
@@ -109,15 +110,15 @@ class LazyIntentLedger(TimedLedger):
         finally:
             _INTENT.reset(token)
 
-    async def _transact(self, body: Callable[[AsyncConnection], Awaitable[_T]]) -> _T:
+    async def _transact(self, body: Callable[[Connection], _T]) -> _T:
         if not _INTENT.get():
-            return await super()._transact(body)  # type: ignore[misc]
+            return await super()._transact(body)
         if self.intent_engine is not None:
             async with self._translate(), self.intent_engine.begin() as conn:
-                return await body(conn)
+                return await conn.run_sync(body)
         async with self._write() as conn:
             await conn.exec_driver_sql("SET LOCAL synchronous_commit TO OFF")
-            return await body(conn)
+            return await conn.run_sync(body)
 
 
 def count_batches(ledger: Ledger) -> list[int]:
@@ -128,9 +129,9 @@ def count_batches(ledger: Ledger) -> list[int]:
     if group is None or commit is None:
         return sizes
 
-    async def counted(batch: list[Any]) -> None:
+    def counted(batch: list[Any]) -> None:  # runs in the ledger's writer thread
         sizes.append(len(batch))
-        await commit(batch)
+        commit(batch)
 
     group._commit = counted
     return sizes
@@ -148,7 +149,8 @@ def make_ledger(kind: str, url: str) -> Ledger:
     elif kind == "lazyintent":
         ledger = LazyIntentLedger(url)
     elif kind == "nosync":
-        ledger = Ledger(url, engine=_sqlite_engine_with(url, "OFF"))
+        # Without group commit, so every write goes through this unflushed engine.
+        ledger = Ledger(url, group_commit=False, engine=_sqlite_engine_with(url, "OFF"))
     else:
         raise ValueError(f"unknown ledger variant {kind!r}; choose from {', '.join(KINDS)}")
     ledger.batch_sizes = count_batches(ledger)  # type: ignore[attr-defined]
