@@ -132,13 +132,8 @@ def strip_chat_response(
     response: Mapping[str, Any], *, keep_logprobs: bool = False
 ) -> StrippedResponse:
     """Split a chat completion into the harness copy (no token fields) and the record view."""
-    body = _without_token_arrays(response, keep_logprobs, top_level=("prompt_token_ids",))
+    body = _without_token_arrays(response, keep_logprobs)
     choices = _choices(body)
-    for choice in choices:
-        if isinstance(choice, dict):
-            _strip_choice(choice, keep_logprobs)
-            if isinstance(choice.get("message"), dict):
-                _strip_message(choice["message"])
     first = choices[0] if choices and isinstance(choices[0], dict) else {}
     message = first.get("message")
     items = (
@@ -153,12 +148,8 @@ def strip_completion_response(
     response: Mapping[str, Any], *, keep_logprobs: bool = False
 ) -> StrippedResponse:
     """Split a text completion into the harness copy (no token fields) and the record view."""
-    body = _without_token_arrays(response, keep_logprobs, top_level=("prompt_token_ids",))
+    body = _without_token_arrays(response, keep_logprobs)
     choices = _choices(body)
-    for choice in choices:
-        if isinstance(choice, dict):
-            _strip_choice(choice, keep_logprobs)
-            choice.pop("prompt_token_ids", None)
     first = choices[0] if choices and isinstance(choices[0], dict) else {}
     text = first.get("text")
     items = [{"type": "message", "role": "assistant", "content": text}] if "text" in first else []
@@ -166,51 +157,36 @@ def strip_completion_response(
 
 
 _CHOICE_ARRAYS = ("token_ids", "routed_experts", "prompt_token_ids")
+_MESSAGE_ARRAYS = (*_BUNDLE_FIELDS, "routed_experts")
 
 
-def _without_token_arrays(
-    response: Mapping[str, Any], keep_logprobs: bool, *, top_level: tuple[str, ...]
-) -> JSONDict:
-    """A deep copy of ``response`` that never copies the token arrays it is about to drop.
+def _without_token_arrays(response: Mapping[str, Any], keep_logprobs: bool) -> JSONDict:
+    """A deep copy of ``response`` without its token fields (``prompt_token_ids`` at the top
+    level and on choices, choices' ``token_ids``/``routed_experts``/``logprobs`` unless kept,
+    the messages' token bundle), never copying the arrays it drops.
 
     Deep-copying the whole answer first (a 16k-id prompt, one log-prob object per generated
     token) and deleting afterwards cost milliseconds per call on the event loop.
     """
-    body = {k: v for k, v in response.items() if k not in top_level}
+    body = {k: v for k, v in response.items() if k != "prompt_token_ids"}
     choices = body.get("choices")
     if isinstance(choices, list):
         drop = _CHOICE_ARRAYS if keep_logprobs else (*_CHOICE_ARRAYS, "logprobs")
-        body["choices"] = [
-            {k: v for k, v in c.items() if k not in drop} if isinstance(c, Mapping) else c
-            for c in choices
-        ]
-        for shallow, original in zip(body["choices"], choices, strict=True):
-            if isinstance(shallow, dict) and isinstance(original, Mapping):
-                message = original.get("message")
-                if isinstance(message, Mapping):
-                    shallow["message"] = {
-                        k: v
-                        for k, v in message.items()
-                        if k not in (*_BUNDLE_FIELDS, "routed_experts")
-                    }
+        body["choices"] = [_without(c, drop) if isinstance(c, Mapping) else c for c in choices]
     return copy.deepcopy(body)
+
+
+def _without(choice: Mapping[str, Any], drop: tuple[str, ...]) -> JSONDict:
+    out = {k: v for k, v in choice.items() if k not in drop}
+    message = out.get("message")
+    if isinstance(message, Mapping):
+        out["message"] = {k: v for k, v in message.items() if k not in _MESSAGE_ARRAYS}
+    return out
 
 
 def _choices(body: Mapping[str, Any]) -> list[Any]:
     choices = body.get("choices")
     return choices if isinstance(choices, list) else []
-
-
-def _strip_choice(choice: dict[str, Any], keep_logprobs: bool) -> None:
-    choice.pop("token_ids", None)
-    choice.pop("routed_experts", None)
-    if not keep_logprobs:
-        choice.pop("logprobs", None)
-
-
-def _strip_message(message: dict[str, Any]) -> None:
-    for field in (*_BUNDLE_FIELDS, "routed_experts"):
-        message.pop(field, None)
 
 
 def _response_id(response: Mapping[str, Any]) -> str | None:
