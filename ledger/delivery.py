@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Mapping
-from typing import Any, Protocol
+from typing import Any
 
 from ledger.builder import failed_plan, plan_build
 from ledger.errors import InvalidRolloutId
@@ -23,7 +23,6 @@ from ledger.projection import assert_prefix_contiguous, project_chain
 from ledger.store import Ledger, SnapshotViews
 
 __all__ = [
-    "DeliveryBackend",
     "build_rollout",
     "finalize_rollout_token_capture",
     "retire_rollout_token_capture",
@@ -32,22 +31,9 @@ __all__ = [
 log = logging.getLogger("rollout_ledger.delivery")
 
 
-class DeliveryBackend(Protocol):
-    """A ledger that can build rollouts: the local ``Ledger`` or the HTTP client."""
-
-    async def finalize(
-        self, result: dict[str, Any], *, deliver: str = "one", consumer: str = ""
-    ) -> dict[str, Any]: ...
-
-    async def retire(self, rollout_id: str, *, snapshot_id: str, version: int) -> bool: ...
-
-    async def mark_delivery(
-        self, delivery_id: int, *, handed_off: bool = False, durable: bool = False
-    ) -> None: ...
-
-
 def _backend(source: Any) -> Any:
-    """Accept a ``CaptureSource``/``Ledger``/remote client; return what builds."""
+    """Accept a ``CaptureSource``/``Ledger``/remote client; return what builds (a
+    ``ledger.gym.LedgerBackend``: ``finalize``, ``retire``, ``mark_delivery``)."""
     return getattr(source, "backend", source)
 
 
