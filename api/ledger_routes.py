@@ -238,6 +238,31 @@ class ResolveOut(BaseModel):
     token_encoding: TokenEncoding
 
 
+class ResolveRequestBody(BaseModel):
+    """NeMo Gym 0.7.0's ``LineageResolver.resolve`` input: the harness's unmodified items."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    request_items: list[Any]
+    token_encoding: TokenEncoding = "json"
+
+
+class LineageMatchOut(BaseModel):
+    model_call_id: str
+    cumulative_token_ids: list[int] | str
+    digest: str
+    staging_chain: list[str]
+    prev_len: int
+    chain_hash: str
+
+
+class ResolveRequestOut(BaseModel):
+    status: Literal["root", "resolved", "unresolved"]
+    match: LineageMatchOut | None
+    reason: str
+    token_encoding: TokenEncoding
+
+
 class SnapshotOut(BaseModel):
     rollout_id: str
     entries: list[dict[str, Any]]
@@ -479,6 +504,26 @@ async def resolve(rollout_id: RolloutId, body: ResolveBody, led: LedgerDep) -> R
         reason=res.reason,
         token_encoding=body.token_encoding,
     )
+
+
+@router.post(
+    "/rollouts/{rollout_id}/lineage/resolve-request",
+    response_model=ResolveRequestOut,
+    tags=["ingest"],
+    dependencies=[Depends(require("ingest"))],
+)
+async def resolve_request(
+    rollout_id: RolloutId, body: ResolveRequestBody, led: LedgerDep
+) -> ResolveRequestOut:
+    """NeMo Gym 0.7.0 lineage: which captured call a request continues (root, resolved with the
+    parent's exact cumulative tokens, or unresolved with a reason)."""
+    from ledger.gym_store import resolve_request as resolve_items
+
+    data = (await resolve_items(led, rollout_id, body.request_items)).as_json()
+    match = data["match"]
+    if match is not None and body.token_encoding == "packed-v1":
+        match["cumulative_token_ids"] = pack_b64_ids(match["cumulative_token_ids"])
+    return ResolveRequestOut(**data, token_encoding=body.token_encoding)
 
 
 # --------------------------------------------------------------------------- trainer

@@ -32,6 +32,7 @@ from ledger.errors import (
     StateConflict,
     Unavailable,
 )
+from ledger.gym_lineage import LineageResolution as GymResolution
 from ledger.records import TokenEntry, coerce_entry
 from ledger.store import FrozenSnapshot, LineageResolution, PutResult
 
@@ -113,7 +114,7 @@ class RemoteLedger:
 
     async def put(
         self,
-        entry: TokenEntry | dict[str, Any],
+        entry: Any,
         *,
         route: str | None = None,
         request_fingerprint: str = "",
@@ -167,6 +168,23 @@ class RemoteLedger:
         return LineageResolution(
             data["status"], data["model_call_id"], cum, data["digest"], data["reason"]
         )
+
+    async def resolve_request(
+        self, rollout_id: str, request_items: list[dict[str, Any]]
+    ) -> GymResolution:
+        """NeMo Gym 0.7.0's ``LineageResolver.resolve`` on the service (``ledger.gym_store``)."""
+        body: dict[str, Any] = {"request_items": request_items, "token_encoding": "json"}
+        if self.token_encoding == "packed-v1":
+            body["token_encoding"] = "packed-v1"
+        data = (
+            await self._call("POST", f"/rollouts/{rollout_id}/lineage/resolve-request", json=body)
+        ).json()
+        match = data.get("match")
+        if match is not None and isinstance(match.get("cumulative_token_ids"), str):
+            match["cumulative_token_ids"] = wire.unpack_b64_ids(
+                match["cumulative_token_ids"], "cumulative_token_ids"
+            )
+        return GymResolution.from_json(data)
 
     # ------------------------------------------------------------------ trainer
 

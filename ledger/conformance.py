@@ -1,10 +1,14 @@
 """Conformance kit: prove a capture transport keeps the sink/source/lineage promises.
 
 ``await run_conformance(sink_factory=…, source_factory=…, lineage_factory=…)`` runs the checks
-of NeMo Gym's kit (the lineage checks expressed with prompt tokens) and returns the names of the
-checks that passed; the first failure raises ``ConformanceError`` naming the check.  Factories
-must return a *fresh* client on every call: several checks prove that one client sees another's
-committed writes.  Every check uses its own rollout id, ``<rollout_id>-<check-name>``.
+of NeMo Gym 0.7.0's kit, in its order and under its names, and returns the names of the checks
+that passed; the first failure raises ``ConformanceError`` naming the check (``check`` and, as
+in the release, ``check_name``).  Factories must return a *fresh* client on every call: several
+checks prove that one client sees another's committed writes.  Every check uses its own rollout
+id, ``<rollout_id>-<check-name>``.  Records are stamped as Gym's serving path stamps them (root
+lineage, continuation metadata for one user request), and the lineage checks resolve request
+items as 0.7.0's ``LineageResolver`` does.  The release's own kit runs against the ledger in
+``tests/test_gym_release.py``.
 """
 
 from __future__ import annotations
@@ -15,7 +19,8 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from ledger.records import TokenEntry
+from ledger.gym_lineage import stamp_continuation
+from ledger.records import ParentResolutionStatus, TokenEntry, gym_token_digest
 
 __all__ = ["CHECKS", "ConformanceError", "run_conformance"]
 
@@ -42,11 +47,18 @@ class ConformanceError(AssertionError):
     def __init__(self, check: str, detail: str) -> None:
         super().__init__(f"{check}: {detail}")
         self.check = check
+        self.check_name = check
         self.detail = detail
 
 
-def _entry(rollout_id: str, call_id: str, prompt: list[int], gen: list[int]) -> TokenEntry:
-    return TokenEntry(
+REQUEST: list[dict[str, Any]] = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+def _entry(
+    rollout_id: str, call_id: str, prompt: list[int], gen: list[int], text: str = "It is sunny."
+) -> TokenEntry:
+    """A committed record as Gym's serving path writes it: root lineage, continuation stamp."""
+    entry = TokenEntry(
         rollout_id=rollout_id,
         model_call_id=call_id,
         model="conformance",
@@ -54,11 +66,20 @@ def _entry(rollout_id: str, call_id: str, prompt: list[int], gen: list[int]) -> 
         generation_token_ids=gen,
         generation_log_probs=[-0.5 - i / 8 for i in range(len(gen))],
         output_items=[
-            {"type": "message", "role": "assistant", "content": [{"type": "output_text"}]}
+            {
+                "type": "message",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": text}],
+            }
         ],
         token_item_index=0,
         created_at=FIXED_CREATED_AT,
     )
+    stamp_continuation(entry, REQUEST)
+    entry.parent_resolution = ParentResolutionStatus.ROOT
+    entry.cum_len = len(prompt) + len(gen)
+    entry.digest = gym_token_digest([*prompt, *gen])
+    return entry
 
 
 PROMPT = [1, 9690, 198, 2683, 359, 253, 2, 198, 1, 4093, 198, 36218, 2, 198, 1, 520, 9531, 198]
@@ -205,27 +226,29 @@ async def _conditional_retirement(run: _Run, name: str) -> None:
 async def _lineage_checks(run: _Run, name: str, resolver_first: bool) -> None:
     rid = run.rid(name)
     resolver = run.lineage() if resolver_first else None
-    await run.sink().put(_entry(rid, "call-1", PROMPT, GEN))
+    entry = _entry(rid, "call-1", PROMPT, GEN)
+    await run.sink().put(entry)
     if resolver is None:
         resolver = run.lineage()
-    faithful = [*PROMPT, *GEN, *NEXT_USER]
+    faithful = [*REQUEST, *entry.output_items, {"role": "user", "content": "And tomorrow?"}]
     res = await resolver.resolve(rid, faithful)
-    _require(name, res.status == "resolved", f"faithful continuation not resolved: {res.status}")
-    _require(name, res.model_call_id == "call-1", f"resolved to {res.model_call_id!r}")
     _require(
         name,
-        list(res.cumulative_token_ids or []) == [*PROMPT, *GEN],
+        res.status == "resolved",
+        f"a faithful continuation resolved as {res.status}: {res.reason}",
+    )
+    match = res.match
+    _require(name, match.model_call_id == "call-1", f"resolved to {match.model_call_id!r}")
+    _require(
+        name,
+        list(match.cumulative_token_ids) == [*PROMPT, *GEN],
         "resolved cumulative tokens differ from the parent's prompt + generation",
     )
-    rewritten = [*PROMPT[:10], 7777, *PROMPT[11:], *GEN, *NEXT_USER]
+    rewritten = [{"role": "user", "content": "REWRITTEN"}, *entry.output_items]
     res = await resolver.resolve(rid, rewritten)
-    _require(
-        name,
-        res.status != "resolved",
-        f"a rewritten first user turn resolved to {res.model_call_id!r}",
-    )
-    res = await resolver.resolve(rid, [*PROMPT[:8], *NEXT_USER])
-    _require(name, res.status == "root", f"a prompt with no captured prefix is {res.status}")
+    _require(name, res.status == "unresolved", f"a rewritten context resolved as {res.status}")
+    res = await resolver.resolve(rid, [{"role": "user", "content": "fresh question"}])
+    _require(name, res.status == "root", f"a request without model history is {res.status}")
 
 
 async def _lineage_visibility(run: _Run, name: str) -> None:

@@ -6,14 +6,29 @@ A Gym or NeMo RL config names them as ``ledger.gym:CaptureSink`` (``token_id_cap
 (``sqlite+aiosqlite:///PATH``, ``postgresql+asyncpg://…``) or the ``http(s)://`` URL of a
 ``rollout-ledger serve`` (plus ``token=``).  Separately constructed clients see each other's
 committed writes at once: every write is committed before its call returns.
+
+They satisfy the protocols of the released nemo-gym 0.7.0 (``TokenSink``, ``TokenSource``,
+``LineageResolver``; ``docs/gym-compatibility.md`` goes through every point):
+
+- ``CaptureSink.put`` takes the release's ``TokenEntry`` (or a dict, or the ledger's own), keeps
+  every field Gym's builder reads, and follows the release's "same payload" rule: the identical
+  serialised entry is a no-op, the same call id with other bytes is refused (``PayloadConflict``)
+  and marks the rollout incomplete;
+- ``CaptureSource.freeze`` returns the entries as they were put (a Gym delta record keeps its
+  suffix prompt), so the release's builder reads them;
+- ``CaptureLineageStore.resolve(rollout_id, request_items)`` answers 0.7.0's ``LineageResolution``
+  (``ledger.gym_lineage``); ``resolve_prompt(rollout_id, prompt_token_ids)`` is the ledger's own
+  token-prefix lookup (what the ``/lineage/resolve`` route serves).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
-from ledger.records import TokenEntry
-from ledger.store import FrozenSnapshot, Ledger, LineageResolution, PutResult
+from ledger.gym_lineage import LineageResolution, gym_view
+from ledger.store import FrozenSnapshot, Ledger, PutResult
+from ledger.store import LineageResolution as PromptResolution
 
 __all__ = ["CaptureLineageStore", "CaptureSink", "CaptureSource", "LedgerBackend", "open_backend"]
 
@@ -25,7 +40,7 @@ class LedgerBackend(Protocol):
         self, rollout_id: str, model_call_id: str, *, route: str | None = None, model: str = ""
     ) -> bool: ...
     async def cancel_call(self, rollout_id: str, model_call_id: str) -> bool: ...
-    async def put(self, entry: TokenEntry | dict[str, Any]) -> PutResult: ...
+    async def put(self, entry: Any) -> PutResult: ...
     async def finalize(
         self, result: dict[str, Any], *, deliver: str = "one", consumer: str = ""
     ) -> dict[str, Any]: ...
@@ -38,7 +53,7 @@ class LedgerBackend(Protocol):
     ) -> int: ...
     async def freeze(self, rollout_id: str) -> FrozenSnapshot: ...
     async def retire(self, rollout_id: str, *, snapshot_id: str, version: int) -> bool: ...
-    async def resolve(self, rollout_id: str, prompt_token_ids: list[int]) -> LineageResolution: ...
+    async def resolve(self, rollout_id: str, prompt_token_ids: list[int]) -> PromptResolution: ...
     async def close(self) -> None: ...
 
 
@@ -73,10 +88,14 @@ class _Client:
 
 
 class CaptureSink(_Client):
-    """Gym ``TokenSink`` (with the ``begin_call``/``cancel_call`` extension)."""
+    """Gym ``TokenSink`` (with the ``begin_call`` extension, and the ledger's ``cancel_call``)."""
 
-    async def put(self, entry: TokenEntry | dict[str, Any]) -> None:
-        """Store one record durably before returning; see ``Ledger.put`` for the promises."""
+    async def put(self, entry: Any) -> None:
+        """Store one record durably (and visible to every resolver) before returning.
+
+        ``entry``: the release's ``TokenEntry``, a dict, or ``ledger.TokenEntry``.  See
+        ``Ledger.put`` for the promises.
+        """
         await self._backend.put(entry)
 
     async def begin_call(self, rollout_id: str, model_call_id: str) -> None:
@@ -99,17 +118,36 @@ class CaptureSource(_Client):
     """Gym ``TokenSource``: freeze a rollout, then retire exactly the consumed snapshot."""
 
     async def freeze(self, rollout_id: str) -> FrozenSnapshot:
-        return await self._backend.freeze(rollout_id)
+        """Freeze (idempotent) and return the entries as they were put, from one read."""
+        snap = await self._backend.freeze(rollout_id)
+        return FrozenSnapshot(
+            snap.rollout_id, gym_view(snap.entries), snap.incomplete, snap.snapshot_id, snap.version
+        )
 
     async def drop(self, rollout_id: str, *, snapshot_id: str, version: int) -> bool:
         return await self._backend.retire(rollout_id, snapshot_id=snapshot_id, version=version)
 
 
 class CaptureLineageStore(_Client):
-    """Gym lineage store: the proven parent of a prompt, over every committed record."""
+    """Gym ``LineageResolver`` over every committed record (shared by every worker)."""
 
-    async def resolve(self, rollout_id: str, prompt_token_ids: list[int]) -> LineageResolution:
+    async def resolve(self, rollout_id: str, request_items: Sequence[Any]) -> LineageResolution:
+        """0.7.0's parent decision for a request's unmodified items (``ledger.gym_lineage``)."""
+        remote = getattr(self._backend, "resolve_request", None)
+        if remote is not None:
+            resolution: LineageResolution = await remote(rollout_id, list(request_items))
+            return resolution
+        from ledger.gym_store import resolve_request
+
+        assert isinstance(self._backend, Ledger)
+        return await resolve_request(self._backend, rollout_id, list(request_items))
+
+    async def resolve_prompt(
+        self, rollout_id: str, prompt_token_ids: Sequence[int]
+    ) -> PromptResolution:
+        """The ledger's token-prefix lookup: the proven parent of a prompt and its tokens."""
         return await self._backend.resolve(rollout_id, list(prompt_token_ids))
 
     def is_process_shared(self) -> bool:
+        """Every worker reads the same database: a committed put is visible to all at once."""
         return True

@@ -1,14 +1,34 @@
-"""The call record: NeMo Gym's schema-version-1 ``TokenEntry``, plus ``response_id``.
+"""The call record: NeMo Gym 0.7.0's schema-version-1 ``TokenEntry``.
+
+The fields, their defaults and the validation rules are those of the released
+``nemo_gym.token_id_capture.records.TokenEntry``, so an entry dumps to the same JSON as the
+release's and the release's builder reads what the ledger returns.  That includes the lineage
+fields Gym's ``commit_entry`` writes in the same ``put`` (``parent_call_id``, ``cum_len``,
+``digest``, ``parent_resolution`` and its reason), the continuation stamp
+(``continuation_fingerprint``, ``continuation_context_len``/``_digest``,
+``fingerprint_version``), ``prompt_is_delta`` and the prefix-supply flags.
 
 Extra fields are kept (and stored), which is why newer schema versions are refused: a reader must
 not silently drop fields whose meaning it does not know.
+
+``coerce_entry`` accepts the ledger's own ``TokenEntry``, a dict, or any object carrying the
+schema-1 fields (the release's pydantic ``TokenEntry`` above all: Gym's model server hands a sink
+exactly those).
+
+The ledger's own limits on top of the release's rules: rollout and call ids must match
+``ledger.ids`` (the release validates rollout ids only in its file store), token ids must fit in
+int32 (they are stored packed), and NaN log-probs are refused at ``put`` (the release stores them
+and then fails to read the record back).
 """
 
 from __future__ import annotations
 
 import hashlib
 import math
+import struct
 from array import array
+from collections.abc import Mapping
+from enum import StrEnum
 from typing import Any
 
 import orjson
@@ -17,10 +37,50 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from ledger.errors import InvalidRecord, UnsupportedSchemaVersion
 from ledger.ids import validate_call_id, validate_rollout_id
 
-__all__ = ["SCHEMA_VERSION", "TokenEntry", "canonical_metadata", "coerce_entry", "payload_digest"]
+__all__ = [
+    "GYM_LINEAGE_DEFAULTS",
+    "SCHEMA_VERSION",
+    "ParentResolutionStatus",
+    "TokenEntry",
+    "canonical_metadata",
+    "coerce_entry",
+    "cumulative_tokens",
+    "gym_token_digest",
+    "payload_digest",
+]
 
 SCHEMA_VERSION = 1
 _TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
+# NeMo Gym's token digest (``records.compute_digest``, digest version 1): SHA-256 over the domain,
+# a one-byte version, an 8-byte big-endian length and each id as an 8-byte big-endian integer.
+_GYM_DIGEST_DOMAIN = b"nemo-gym-tokens"
+_GYM_DIGEST_VERSION = 1
+
+
+class ParentResolutionStatus(StrEnum):
+    """The request-time parent decision recorded on an entry (0.7.0's values)."""
+
+    ROOT = "root"
+    RESOLVED = "resolved"
+    UNRESOLVED = "unresolved"
+
+
+# The 0.7.0 lineage fields and their defaults.  The calls table has no column for them: a record
+# keeps the non-default ones with its extra fields, and they come back on every read.
+GYM_LINEAGE_DEFAULTS: dict[str, Any] = {
+    "parent_call_id": None,
+    "cum_len": None,
+    "digest": None,
+    "parent_resolution": None,
+    "parent_resolution_reason": "",
+    "continuation_fingerprint": "",
+    "continuation_context_len": 0,
+    "continuation_context_digest": "",
+    "fingerprint_version": None,
+    "prompt_is_delta": False,
+    "prefix_requested": False,
+    "prefix_supplied": False,
+}
 
 
 class TokenEntry(BaseModel):
@@ -40,6 +100,19 @@ class TokenEntry(BaseModel):
     token_item_index: int | None = None
     created_at: float = 0.0
     response_id: str | None = None
+    # 0.7.0 lineage, written by Gym's ``commit_entry`` in the same put (see the module docstring).
+    parent_call_id: str | None = None
+    cum_len: int | None = None
+    digest: str | None = None
+    parent_resolution: ParentResolutionStatus | None = None
+    parent_resolution_reason: str = ""
+    continuation_fingerprint: str = ""
+    continuation_context_len: int = 0
+    continuation_context_digest: str = ""
+    fingerprint_version: int | None = None
+    prompt_is_delta: bool = False
+    prefix_requested: bool = False
+    prefix_supplied: bool = False
 
     @model_validator(mode="before")
     @classmethod
@@ -93,22 +166,97 @@ class TokenEntry(BaseModel):
             if ids and (min(ids) < -(2**31) or max(ids) >= 2**31):
                 bad = min(ids) if min(ids) < -(2**31) else max(ids)
                 raise ValueError(f"{name} holds {bad}, outside the int32 range")
+        self._check_lineage()
         return self
 
+    def _check_lineage(self) -> None:
+        """The release's rules for the recorded parent decision."""
+        resolution = self.parent_resolution
+        if resolution == ParentResolutionStatus.RESOLVED and not self.parent_call_id:
+            raise ValueError("a resolved parent_resolution requires parent_call_id")
+        # A root or unresolved decision names no parent.
+        rooted = resolution is not None and resolution != ParentResolutionStatus.RESOLVED
+        if rooted and self.parent_call_id is not None:
+            assert resolution is not None
+            raise ValueError(f"a {resolution.value} parent_resolution cannot carry parent_call_id")
+        if self.prompt_is_delta and (
+            self.parent_call_id is None or resolution != ParentResolutionStatus.RESOLVED
+        ):
+            raise ValueError(
+                "prompt_is_delta requires a resolved parent_call_id to reconstruct the prompt from"
+            )
+
     def extra_fields(self) -> dict[str, Any]:
-        return dict(self.__pydantic_extra__ or {})
+        """The fields the calls table has no column for: unknown extras and the 0.7.0 lineage
+        fields that differ from their defaults (JSON-ready)."""
+        out = {
+            name: (value.value if isinstance(value, StrEnum) else value)
+            for name, default in GYM_LINEAGE_DEFAULTS.items()
+            if (value := getattr(self, name)) != default
+        }
+        out.update(self.__pydantic_extra__ or {})
+        return out
 
 
-def coerce_entry(entry: TokenEntry | dict[str, Any]) -> TokenEntry:
-    """Validate a dict (or pass a ``TokenEntry`` through) with the ledger's own errors."""
+def coerce_entry(entry: Any) -> TokenEntry:
+    """The ledger's ``TokenEntry`` for ``entry``, validated, with the ledger's own errors.
+
+    ``entry`` is a ``TokenEntry`` (passed through), a mapping, or any object with the schema-1
+    fields: a pydantic model (the release's ``TokenEntry``) is read through ``model_dump`` in
+    Python mode (floats stay exact, ``-inf`` included), other objects attribute by attribute.
+    """
     if isinstance(entry, TokenEntry):
         return entry
     try:
-        return TokenEntry.model_validate(entry)
+        return TokenEntry.model_validate(_as_mapping(entry))
     except ValidationError as exc:
         if "newer than this reader" in str(exc):
             raise UnsupportedSchemaVersion(_first_error(exc)) from None
         raise InvalidRecord(_first_error(exc)) from None
+
+
+_SCHEMA_FIELDS = (*TokenEntry.model_fields,)
+
+
+def _as_mapping(entry: Any) -> Mapping[str, Any]:
+    if isinstance(entry, Mapping):
+        return entry
+    dump = getattr(entry, "model_dump", None)
+    if callable(dump):
+        data = dump()
+        if isinstance(data, Mapping):
+            return data
+    if all(hasattr(entry, name) for name in ("rollout_id", "model_call_id", "prompt_token_ids")):
+        data = {name: getattr(entry, name) for name in _SCHEMA_FIELDS if hasattr(entry, name)}
+        extra = getattr(entry, "__pydantic_extra__", None) or {}
+        data.update(extra if isinstance(extra, Mapping) else {})
+        return data
+    raise InvalidRecord(
+        "invalid token record: expected a TokenEntry, a dict or an object with the schema-1 "
+        f"fields; got {type(entry).__name__}"
+    )
+
+
+def gym_token_digest(token_ids: list[int]) -> str:
+    """NeMo Gym 0.7.0's ``compute_digest`` of a token sequence (what ``digest`` holds)."""
+    if any(t < 0 for t in token_ids):
+        raise ValueError("token ids must be non-negative for the Gym digest")
+    h = hashlib.sha256(_GYM_DIGEST_DOMAIN)
+    if not token_ids:
+        return h.hexdigest()
+    h.update(struct.pack(">BQ", _GYM_DIGEST_VERSION, len(token_ids)))
+    h.update(struct.pack(f">{len(token_ids)}Q", *token_ids))
+    return h.hexdigest()
+
+
+def cumulative_tokens(entry: TokenEntry) -> list[int]:
+    """Prompt + generation of a full-prompt entry (a delta entry needs its parent chain)."""
+    if entry.prompt_is_delta:
+        raise ValueError(
+            f"model call {entry.model_call_id} stores a delta prompt; reconstruct it through "
+            "its parent chain"
+        )
+    return [*entry.prompt_token_ids, *entry.generation_token_ids]
 
 
 def _first_error(exc: ValidationError) -> str:

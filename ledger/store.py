@@ -398,6 +398,10 @@ class Ledger:
         or anything after retire is refused.
         """
         entry = coerce_entry(entry)
+        if entry.prompt_is_delta:  # a NeMo Gym delta record: prove lineage on its full prompt
+            from ledger.gym_store import materialize_delta
+
+            entry = await materialize_delta(self, entry)
         n_tokens = len(entry.prompt_token_ids) + len(entry.generation_token_ids)
         if n_tokens > _OFFLOAD_TOKENS:
             prep = await asyncio.to_thread(_prepare, entry)

@@ -28,7 +28,7 @@ async def test_classes_are_constructible_by_import_path_with_kwargs(db_url: str,
         await sink.begin_call(r, "c1")
         await sink.put(rec(r, "c1", [1, 2, 3], [4, 5]))  # a dict
         await sink.put(TokenEntry.model_validate(rec(r, "c2", [1, 2, 3, 4, 5, 6], [7])))
-        res = await lineage.resolve(r, [1, 2, 3, 4, 5, 6, 7, 8])
+        res = await lineage.resolve_prompt(r, [1, 2, 3, 4, 5, 6, 7, 8])
         assert (res.status, res.model_call_id) == ("resolved", "c2")
         assert res.cumulative_token_ids == [1, 2, 3, 4, 5, 6, 7]
         assert lineage.is_process_shared()
