@@ -37,6 +37,11 @@ def _backend(source: Any) -> Any:
     return getattr(source, "backend", source)
 
 
+def _is_ledger(source: Any) -> bool:
+    """The ledger's own source (fast path), as opposed to any other Gym ``TokenSource``."""
+    return callable(getattr(_backend(source), "finalize", None))
+
+
 def carries_token_ids(result: Mapping[str, Any]) -> bool:
     """True when the rollout's output already holds generated token ids (a native agent)."""
     response = result.get("response")
@@ -101,7 +106,14 @@ async def finalize_rollout_token_capture(
         _apply(result, build)
         return build
     try:
-        build = await _backend(source).finalize(result, deliver=deliver, consumer=consumer)
+        if _is_ledger(source):
+            build = await _backend(source).finalize(result, deliver=deliver, consumer=consumer)
+        else:  # any other TokenSource: its frozen entries, through the same ingest and builder
+            from ledger.source_build import build_from_source
+
+            build = await build_from_source(
+                source, result, rollout_id, deliver=deliver, consumer=consumer
+            )
     except Exception as exc:  # the source itself failed: mask, keep everything for diagnosis
         log.warning("finalize failed for rollout %s: %s", rollout_id, exc)
         build = _masked_build(rollout_id, f"{type(exc).__name__}: {exc}", "source_error")
@@ -127,6 +139,14 @@ async def retire_rollout_token_capture(
     snapshot_id, version = built.get("snapshot_id"), built.get("version")
     if not snapshot_id or version is None:
         return False
+    if not _is_ledger(source):  # any other TokenSource retires through its own ``drop``
+        try:
+            return bool(
+                await source.drop(rollout_id, snapshot_id=str(snapshot_id), version=int(version))
+            )
+        except Exception as exc:
+            log.warning("retire failed for rollout %s: %s", rollout_id, exc)
+            return False
     backend = _backend(source)
     try:
         if built.get("delivery_id") is not None:

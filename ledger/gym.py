@@ -26,7 +26,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from ledger.gym_lineage import LineageResolution, gym_view
+from ledger.gym_lineage import LineageResolution, gym_view, in_gym_terms
 from ledger.store import FrozenSnapshot, Ledger, PutResult
 from ledger.store import LineageResolution as PromptResolution
 
@@ -136,11 +136,12 @@ class CaptureLineageStore(_Client):
         remote = getattr(self._backend, "resolve_request", None)
         if remote is not None:
             resolution: LineageResolution = await remote(rollout_id, list(request_items))
-            return resolution
-        from ledger.gym_store import resolve_request
+        else:
+            from ledger.gym_store import resolve_request
 
-        assert isinstance(self._backend, Ledger)
-        return await resolve_request(self._backend, rollout_id, list(request_items))
+            assert isinstance(self._backend, Ledger)
+            resolution = await resolve_request(self._backend, rollout_id, list(request_items))
+        return in_gym_terms(resolution)
 
     async def resolve_prompt(
         self, rollout_id: str, prompt_token_ids: Sequence[int]

@@ -24,8 +24,11 @@ keeps its own token-prefix proof at ingest as an independent check of every reco
 
 from __future__ import annotations
 
+import dataclasses
+import sys
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from enum import StrEnum
 from typing import Any
 
 from ledger.gym_fingerprint import FINGERPRINT_VERSION, assistant_fingerprint, conversation_digest
@@ -37,6 +40,7 @@ __all__ = [
     "LineageResolution",
     "choose_parent",
     "gym_view",
+    "in_gym_terms",
     "stamp_continuation",
 ]
 
@@ -58,7 +62,7 @@ class LineageResolution:
     """One request-time parent decision (0.7.0's ``LineageResolution``): a ``resolved`` status
     carries a match, any other status none."""
 
-    status: ParentResolutionStatus
+    status: StrEnum  # ``ParentResolutionStatus`` (ours, or the release's: see ``in_gym_terms``)
     match: LineageMatch | None = None
     reason: str = ""
 
@@ -111,6 +115,20 @@ class LineageCandidate:
     context_len: int
     context_digest: str
     fingerprint_version: int | None
+
+
+def in_gym_terms(resolution: LineageResolution) -> LineageResolution:
+    """``resolution`` with the release's own status enum when Gym is running in this process.
+
+    Gym's serving path copies ``status`` into its pydantic ``TokenEntry`` without validation;
+    a value of another enum class would make pydantic warn on every serialisation.  Only an
+    already imported release is used: the ledger never imports Gym.
+    """
+    records = sys.modules.get("nemo_gym.token_id_capture.records")
+    native = getattr(records, "ParentResolutionStatus", None)
+    if native is None or isinstance(resolution.status, native):
+        return resolution
+    return dataclasses.replace(resolution, status=native(resolution.status.value))
 
 
 def stamp_continuation(entry: TokenEntry, request_items: Sequence[Any]) -> TokenEntry:
