@@ -1,0 +1,102 @@
+"""rollout-ledger: exact training tokens from agent harnesses, in a SQL ledger.
+
+The public surface is ``__all__``; everything else is private by module name.  Only the error
+tree is imported with the package: every other name is loaded on first use, so ``import ledger``
+(or ``from ledger import TokenEntry`` in a Gym model server) does not pull in SQLAlchemy,
+the drivers or HTTP clients it does not need.
+
+- records: ``TokenEntry`` (NeMo Gym 0.7.0's schema-1 record), ``ParentResolutionStatus``;
+- Gym classes (``token_id_capture.sink: ledger.gym:CaptureSink`` …): ``CaptureSink``,
+  ``CaptureSource``, ``CaptureLineageStore``; 0.7.0's lineage answer ``LineageResolution`` /
+  ``LineageMatch`` and ``stamp_continuation``;
+- the trainer side: ``finalize_rollout_token_capture``, ``retire_rollout_token_capture``;
+- the ledger itself: ``Ledger`` (SQL), ``RemoteLedger`` (HTTP);
+- ``run_conformance`` / ``ConformanceError``;
+- the error tree, rooted at ``LedgerError`` (``ledger.errors`` draws it).
+"""
+
+import importlib as _importlib
+import typing as _typing
+
+from ledger.errors import (
+    AccessDenied,
+    InvalidInput,
+    InvalidRecord,
+    InvalidRolloutId,
+    LedgerError,
+    NotFound,
+    PayloadConflict,
+    RolloutFrozen,
+    RolloutRetired,
+    StateConflict,
+    Unavailable,
+    UnsupportedSchemaVersion,
+)
+
+if _typing.TYPE_CHECKING:
+    from ledger.client import RemoteLedger
+    from ledger.conformance import ConformanceError, run_conformance
+    from ledger.delivery import finalize_rollout_token_capture, retire_rollout_token_capture
+    from ledger.gym import CaptureLineageStore, CaptureSink, CaptureSource
+    from ledger.gym_lineage import LineageMatch, LineageResolution, stamp_continuation
+    from ledger.records import ParentResolutionStatus, TokenEntry
+    from ledger.store import Ledger
+
+__all__ = [
+    "AccessDenied",
+    "CaptureLineageStore",
+    "CaptureSink",
+    "CaptureSource",
+    "ConformanceError",
+    "InvalidInput",
+    "InvalidRecord",
+    "InvalidRolloutId",
+    "Ledger",
+    "LedgerError",
+    "LineageMatch",
+    "LineageResolution",
+    "NotFound",
+    "ParentResolutionStatus",
+    "PayloadConflict",
+    "RemoteLedger",
+    "RolloutFrozen",
+    "RolloutRetired",
+    "StateConflict",
+    "TokenEntry",
+    "Unavailable",
+    "UnsupportedSchemaVersion",
+    "finalize_rollout_token_capture",
+    "retire_rollout_token_capture",
+    "run_conformance",
+    "stamp_continuation",
+]
+
+_LAZY = {
+    "CaptureLineageStore": "ledger.gym",
+    "CaptureSink": "ledger.gym",
+    "CaptureSource": "ledger.gym",
+    "ConformanceError": "ledger.conformance",
+    "Ledger": "ledger.store",
+    "LineageMatch": "ledger.gym_lineage",
+    "LineageResolution": "ledger.gym_lineage",
+    "ParentResolutionStatus": "ledger.records",
+    "RemoteLedger": "ledger.client",
+    "TokenEntry": "ledger.records",
+    "finalize_rollout_token_capture": "ledger.delivery",
+    "retire_rollout_token_capture": "ledger.delivery",
+    "run_conformance": "ledger.conformance",
+    "stamp_continuation": "ledger.gym_lineage",
+}
+
+
+def __getattr__(name: str) -> _typing.Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'ledger' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *__all__})
