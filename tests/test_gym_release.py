@@ -115,6 +115,23 @@ async def test_release_kit_still_catches_a_resolver_that_guesses(
     assert info.value.check_name == "lineage_visibility"
 
 
+def test_classes_satisfy_the_release_protocols(release: SimpleNamespace, tmp_path: Any) -> None:
+    url = f"sqlite+aiosqlite:///{tmp_path / 'p.db'}"
+    p = release.protocols
+    sink, source, lineage = (
+        CaptureSink(url=url),
+        CaptureSource(url=url),
+        CaptureLineageStore(url=url),
+    )
+    assert isinstance(sink, p.TokenSink)
+    assert isinstance(source, p.TokenSource)
+    assert isinstance(lineage, p.LineageResolver) and lineage.is_process_shared()
+    # Not a CaptureLedger (docs/gym-compatibility.md §6): Gym refuses it for external staging.
+    assert not isinstance(lineage, p.CaptureLedger)
+    p.install_token_sink(sink)  # Gym's own check of put/mark_incomplete/close
+    p.install_token_sink(None)
+
+
 # --------------------------------------------------------------------------- records
 
 
