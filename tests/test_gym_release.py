@@ -525,6 +525,34 @@ async def test_release_serving_path_writes_resolves_and_builds_through_the_ledge
             await client.close()
 
 
+async def test_release_serving_path_over_http_with_delta_records(
+    release: SimpleNamespace, service: Service, rid: Rid
+) -> None:
+    """The same through a running ledger service: delta records resolve, freeze as put and
+    build with the release's consumer."""
+    r = rid("serve-http")
+    kw: dict[str, Any] = {"url": service.url, "token_encoding": "packed-v1"}
+    sink = CaptureSink(token="w-tok", **kw)
+    lineage = CaptureLineageStore(token="w-tok", **kw)
+    source = CaptureSource(token="t-tok", **kw)
+    try:
+        contexts, final = await _three_turns(release, sink, lineage, r, delta=True)
+        assert [c.parent_resolution.status.value for c in contexts] == [
+            "root",
+            "resolved",
+            "resolved",
+        ]
+        snap = await source.freeze(r)
+        assert sorted(e.prompt_is_delta for e in snap.entries) == [False, True, True]
+        theirs = await release.consumer.trajectories_from_source(r, source, model="policy")
+        assert theirs["mask_sample"] is False, theirs["metrics"]
+        prompt, gen, _ = _token_view(theirs["rebuilt_response"])[-1]
+        assert [*prompt, *gen] == final
+    finally:
+        for client in (sink, lineage, source):
+            await client.close()
+
+
 @pytest.mark.parametrize("delta", [False, True], ids=["full", "delta"])
 async def test_finalize_rebuilds_from_the_release_file_store(
     release: SimpleNamespace, tmp_path: Any, delta: bool
