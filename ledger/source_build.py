@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import sqlalchemy as sa
+
 from ledger.errors import LedgerError
 from ledger.records import TokenEntry, coerce_entry
 from ledger.store import Ledger
@@ -57,17 +59,35 @@ async def build_from_source(
     return build
 
 
+_EMPTY_SCHEMA: bytes | None = None
+
+
 def _scratch_ledger(directory: Path) -> Ledger:
     from ledger.engine import make_sync_engine
     from ledger.tables import Base
 
-    url = f"sqlite+aiosqlite:///{directory / 'build.db'}"
-    engine = make_sync_engine(url)
-    try:
-        Base.metadata.create_all(engine)
-    finally:
-        engine.dispose()
-    return Ledger(url)
+    global _EMPTY_SCHEMA
+    path = directory / "build.db"
+    url = f"sqlite+aiosqlite:///{path}"
+    if _EMPTY_SCHEMA is None:
+        engine = make_sync_engine(url)
+        try:
+            Base.metadata.create_all(engine)
+        finally:
+            engine.dispose()  # the last connection checkpoints the WAL into the file
+        _EMPTY_SCHEMA = path.read_bytes()
+    else:
+        path.write_bytes(_EMPTY_SCHEMA)  # a copy of the empty schema: no DDL per rollout
+    ledger = Ledger(url, group_commit=False)
+    # A scratch file nobody recovers after a crash: durable commits would only cost fsyncs.
+    sa.event.listen(ledger.engine.sync_engine, "connect", _no_fsync)
+    return ledger
+
+
+def _no_fsync(dbapi_conn: Any, _record: Any) -> None:
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA synchronous=OFF")
+    cur.close()
 
 
 async def _ingest(
