@@ -328,7 +328,7 @@ def _ratios(reps: list[dict[str, Any]], backends: list[str]) -> dict[str, Any]:
             "bytes_ratio": reps[0][b]["bytes_ratio"],
         }
         if "build" in reps[0][b]:
-            gb = min(reps[0]["gym_full"]["build"]["ms_p50"], reps[0]["gym_delta"]["build"]["ms_p50"])
+            gb = min(reps[0][g]["build"]["ms_p50"] for g in ("gym_full", "gym_delta"))
             out[b]["build_vs_gym_best"] = reps[0][b]["build"]["ms_p50"] / gb
     for g in ("gym_full", "gym_delta"):
         out[g] = {
