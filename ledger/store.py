@@ -167,11 +167,17 @@ class Ledger:
         auto_migrate: bool = False,
         group_commit: bool | None = None,
         engine: AsyncEngine | None = None,
+        flush_intents: bool = False,
     ):
         self.engine = engine or make_engine(url)
         self.url = url
         self.delta_records = delta_records
         self.auto_migrate = auto_migrate
+        # An intent's commit need not wait for its own flush: the call's next write (record,
+        # cancel or incomplete mark) is flushed before the harness is answered and, later in
+        # the same sequential log (SQLite WAL, Postgres WAL), makes the intent durable with it.
+        # A process crash never loses a committed intent either way.
+        self.flush_intents = flush_intents
         self.dialect = self.engine.dialect.name
 
         self._schema_ready = False
@@ -229,32 +235,37 @@ class Ledger:
                 raise
             raise translated from exc
 
-    async def _transact(self, body: Callable[[Connection], _T]) -> _T:
+    async def _transact(self, body: Callable[[Connection], _T], *, flush: bool = True) -> _T:
         """Run ``body`` in one write transaction and return only after it committed.
 
         Bodies are synchronous functions over a ``Connection``: on Postgres they run through
         asyncpg (``run_sync``); on SQLite they run in the group-commit writer thread, which
-        shares one durable commit among concurrent writers.
+        shares one durable commit among concurrent writers.  ``flush=False`` (SQLite's writer
+        only): the commit may skip its own flush when no other write of its batch needs one.
         """
         if self.auto_migrate and not self._schema_ready:
             await self.ensure_schema()
         if self._group is not None:
-            return await self._group.submit(body)
+            return await self._group.submit(body, flush=flush)
         async with self._write() as aconn:
             return await aconn.run_sync(body)
 
-    async def _run_steps(self, make: Callable[[], ingest.Steps]) -> Any:
+    async def _run_steps(self, make: Callable[[], ingest.Steps], *, flush: bool = True) -> Any:
         """Run one hot-path operation (``ledger.storage.ingest``) in one write transaction:
-        SQLite in the group-commit writer, Postgres through asyncpg; returns after the commit."""
+        SQLite in the group-commit writer, Postgres through asyncpg; returns after the commit
+        (``flush=False``: after a commit that need not wait for its own flush)."""
         if self.dialect == "sqlite":
             return await self._transact(
-                lambda conn: ingest.run_sqlite(conn.connection.dbapi_connection, make())
+                lambda conn: ingest.run_sqlite(conn.connection.dbapi_connection, make()),
+                flush=flush,
             )
         if self.auto_migrate and not self._schema_ready:
             await self.ensure_schema()
         pool = await self._pg_pool()
         try:
             async with pool.acquire() as conn, conn.transaction():
+                if not flush:
+                    await conn.execute("SET LOCAL synchronous_commit = off")
                 return await ingest.run_postgres(conn, make())
         except LedgerError:
             raise
@@ -380,7 +391,8 @@ class Ledger:
 
         now = self._now()
         created: bool = await self._run_steps(
-            lambda: ingest.begin_call_steps(rollout_id, model_call_id, route, model or "", now)
+            lambda: ingest.begin_call_steps(rollout_id, model_call_id, route, model or "", now),
+            flush=self.flush_intents,
         )
         return created
 
@@ -1006,12 +1018,13 @@ class _GroupCommit:
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
         self._engine: Engine | None = None
+        self._mode = "FULL"  # the writer connection's PRAGMA synchronous (engine.py sets FULL)
 
-    async def submit(self, body: Callable[[Connection], _T]) -> _T:
+    async def submit(self, body: Callable[[Connection], _T], *, flush: bool = True) -> _T:
         self._ensure_thread()
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[_T] = loop.create_future()
-        self._queue.put((body, fut, loop))
+        self._queue.put((body, fut, loop, flush))
         return await asyncio.shield(fut)
 
     def _ensure_thread(self) -> None:
@@ -1063,17 +1076,11 @@ class _GroupCommit:
         assert self._engine is not None
         outcomes: list[tuple[_Job, Any, BaseException | None]] = []
         try:
-            with self._engine.begin() as conn:
+            with self._engine.connect() as conn:
                 dbapi: Any = conn.connection.dbapi_connection
-                for job in batch:
-                    changes = dbapi.total_changes
-                    try:
-                        outcomes.append((job, job[0](conn), None))
-                    except Exception as exc:
-                        if dbapi.total_changes != changes or not dbapi.in_transaction:
-                            raise _Replay from exc
-                        # It failed before changing anything: nothing to undo.
-                        outcomes.append((job, None, _translate_error(exc)))
+                self._synchronous(dbapi, any(job[3] for job in batch))
+                with conn.begin():
+                    self._run_batch(conn, dbapi, batch, outcomes)
         except _Replay:
             self._commit_with_savepoints(batch)
             return
@@ -1084,6 +1091,30 @@ class _GroupCommit:
             return
         for job, value, error in outcomes:
             _resolve(job, value, error)
+
+    def _synchronous(self, dbapi: Any, flush: bool) -> None:
+        """FULL (the commit waits for its flush) unless no write of the batch needs one."""
+        mode = "FULL" if flush else "NORMAL"
+        if self._mode != mode:
+            dbapi.execute(f"PRAGMA synchronous={mode}")
+            self._mode = mode
+
+    @staticmethod
+    def _run_batch(
+        conn: Connection,
+        dbapi: Any,
+        batch: list[_Job],
+        outcomes: list[tuple[_Job, Any, BaseException | None]],
+    ) -> None:
+        for job in batch:
+            changes = dbapi.total_changes
+            try:
+                outcomes.append((job, job[0](conn), None))
+            except Exception as exc:
+                if dbapi.total_changes != changes or not dbapi.in_transaction:
+                    raise _Replay from exc
+                # It failed before changing anything: nothing to undo.
+                outcomes.append((job, None, _translate_error(exc)))
 
     def _commit_with_savepoints(self, batch: list[_Job]) -> None:
         assert self._engine is not None
@@ -1109,11 +1140,12 @@ class _Replay(Exception):
     """A write failed after changing rows: roll the batch back and rerun it with savepoints."""
 
 
-_Job = tuple[Callable[[Connection], Any], "asyncio.Future[Any]", asyncio.AbstractEventLoop]
+# (body, future, the caller's loop, whether its commit must wait for the flush)
+_Job = tuple[Callable[[Connection], Any], "asyncio.Future[Any]", asyncio.AbstractEventLoop, bool]
 
 
 def _resolve(job: _Job, value: Any, error: BaseException | None) -> None:
-    _body, fut, loop = job
+    _body, fut, loop, _flush = job
 
     def settle() -> None:
         if fut.done():

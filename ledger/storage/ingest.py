@@ -185,9 +185,9 @@ def put_steps(
     """Commit one record with its proven lineage edge (design §4.1-4.3, §5.3)."""
     e = prep.entry
     rid, cid = e.rollout_id, e.model_call_id
-    yield ("rollout_lock", (rid,))
-    rows = yield ("rollout_and_call", (cid, rid))
-    if not rows:
+    locked = yield ("rollout_lock", (rid,))
+    rows = (yield ("rollout_and_call", (cid, rid))) if locked else []
+    if not rows:  # no rollout row yet: create it, then lock it before reading the call
         yield ("rollout_create", (rid, False, now, now))
         yield ("rollout_lock", (rid,))
         rows = yield ("rollout_and_call", (cid, rid))
@@ -377,6 +377,9 @@ def first_mismatch(a: bytes, b: bytes) -> int:
 # --------------------------------------------------------------------------- drivers
 
 
+_HELD: list[tuple[()]] = [()]
+
+
 def run_sqlite(dbapi_conn: Any, steps: Steps) -> Any:
     """Drive ``steps`` on a DB-API SQLite connection (``sqlite3`` or SQLAlchemy's aiosqlite
     adapter), inside the caller's transaction."""
@@ -391,8 +394,8 @@ def run_sqlite(dbapi_conn: Any, steps: Steps) -> Any:
                     observe(sql)
                 cur.execute(sql, params)
                 step = steps.send(cur.fetchall())
-            else:
-                step = steps.send([])
+            else:  # a Postgres-only lock: SQLite's transaction already holds the write lock
+                step = steps.send(_HELD)
     except StopIteration as done:
         return done.value
     finally:

@@ -46,7 +46,8 @@ def _stmt(name: str, doc: str, sql: str, pg_suffix: str = "") -> Statement:
 
 
 def _pg_only(name: str, doc: str, sql: str) -> Statement:
-    """A statement SQLite skips (its transaction already holds the database's write lock)."""
+    """A Postgres lock SQLite skips: its transaction already holds the database's write lock, so
+    the SQLite driver answers it with one empty row (held)."""
     return Statement(name, doc, "", _pg(" ".join(sql.split())))
 
 
