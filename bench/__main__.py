@@ -216,9 +216,9 @@ async def run_variants(backend: str, cfg: Config, f: DbFactory, rec: Recorder) -
     alone (SQLite's lazy intent: alone only); the stock ledger at higher concurrency."""
     w = cfg.workload
     if backend == "sqlite":
-        kinds = {"nogroup": True, "lazyintent": False, "nosync": True}
+        kinds = {"nogroup": True, "flushintent": False, "nosync": True}
     else:
-        kinds = {"lazyintent": True}
+        kinds = {"flushintent": True}
     out: dict[str, Any] = {}
     for kind, concurrent in kinds.items():
         db = await f.create(backend, kind)
@@ -468,8 +468,8 @@ async def run(cfg: Config, out_json: Path, docs_dir: Path) -> dict[str, Any]:
                         pv["timed"] = await run_proxy_variant(
                             backend, "timed", cfg, f, rec, sim, logs, with_load=False
                         )
-                        pv["lazyintent"] = await run_proxy_variant(
-                            backend, "lazyintent", cfg, f, rec, sim, logs, with_load=False
+                        pv["flushintent"] = await run_proxy_variant(
+                            backend, "flushintent", cfg, f, rec, sim, logs, with_load=False
                         )
                         if backend == "sqlite":
                             pv["nogroup"] = await run_proxy_variant(

@@ -223,14 +223,14 @@ def analysis(r: dict[str, Any]) -> str:
             "server's own CPU comes on top, on the same 2 vCPUs); its WAL flush is shared by "
             "concurrent commits. With the intent committed without waiting for the flush "
             "(prototype): "
-            f"{fmt(get(b, 'postgres', 'variants', 'lazyintent', 'calls_per_s'), 0)} calls/s.\n"
+            f"{fmt(get(b, 'postgres', 'variants', 'flushintent', 'calls_per_s'), 0)} calls/s.\n"
         )
 
     # 5. proxy overhead -------------------------------------------------------------------
     t = _target(r, "proxy_overhead")
     add("**Proxy overhead at 16k** - " + "; ".join(_verdict(t, k, " ms") for k in ks) + ".")
     bd = get(b, "sqlite", "proxy_variants", "timed", "breakdown", "continuation") or {}
-    lazy = get(b, "sqlite", "proxy_variants", "lazyintent", "overhead", "continuation") or {}
+    lazy = get(b, "sqlite", "proxy_variants", "flushintent", "overhead", "continuation") or {}
 
     strip16 = steps16.get("strip_chat_response")
     strip28 = steps28.get("strip_chat_response")

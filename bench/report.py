@@ -439,7 +439,7 @@ def render(r: dict[str, Any], pngs: list[str], results_path: Path, docs: Path) -
     rows = []
     labels = {
         "nogroup": "without group commit (a commit per write)",
-        "lazyintent": "intent without its own flush (prototype)",
+        "flushintent": "intent with its own flush (before issue 12)",
         "nosync": "synchronous=OFF, no group commit (diagnostic, NOT durable)",
     }
 
@@ -786,8 +786,8 @@ def render(r: dict[str, Any], pngs: list[str], results_path: Path, docs: Path) -
             ),
             (
                 "intent without own flush",
-                _get(b, k, "proxy_variants", "lazyintent", "overhead"),
-                _get(b, k, "proxy_variants", "lazyintent", "breakdown"),
+                _get(b, k, "proxy_variants", "flushintent", "overhead"),
+                _get(b, k, "proxy_variants", "flushintent", "breakdown"),
             ),
             (
                 "without group commit",

@@ -9,28 +9,21 @@ are prototypes (or diagnostics) built around ``Ledger`` here, never by editing i
     stock, plus per-method wall-clock accounting (for the proxy-overhead breakdown).
 ``nogroup`` (SQLite)
     ``Ledger(group_commit=False)``: every write transaction is its own durable commit.
-``lazyintent``
-    the pre-dispatch intent commits without its own flush: SQLite, on a second engine with
-    ``synchronous=NORMAL``, outside the group; Postgres, ``SET LOCAL synchronous_commit = off``.
-    The call's record commit, flushed and later in the same sequential log, makes the intent
-    durable too before the harness gets its answer.  Caveat (docs/performance.md): on the
-    capture-failure path the harness is answered even when neither the record nor the
-    incomplete mark could be committed; a power loss then could also lose the intent.  On
-    SQLite it is measured one call at a time only (its second writer would contend with the
-    group-commit writer for the file lock).
+``flushintent``
+    ``Ledger(flush_intents=True)``: the pre-dispatch intent's commit waits for its own flush
+    (the default before issue 12; the stock ledger lets the call's flushed record commit carry
+    it).
 ``nosync`` (SQLite, diagnostic only, NOT durable)
     ``synchronous=OFF`` (group commit kept): what the same code costs without any flush.
 """
 
 from __future__ import annotations
 
-import contextvars
 import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 from sqlalchemy import event
-from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 from ledger.engine import make_engine
@@ -38,9 +31,8 @@ from ledger.store import Ledger
 
 __all__ = ["KINDS", "TimedLedger", "make_ledger"]
 
-KINDS = ("stock", "timed", "nogroup", "lazyintent", "nosync")
+KINDS = ("stock", "timed", "nogroup", "flushintent", "nosync")
 _T = TypeVar("_T")
-_INTENT: contextvars.ContextVar[bool] = contextvars.ContextVar("bench_intent", default=False)
 
 
 def _sqlite_engine_with(url: str, synchronous: str) -> AsyncEngine:
@@ -91,36 +83,6 @@ class TimedLedger(Ledger):
         return await self._timed("mark_delivery", super().mark_delivery)(*a, **kw)
 
 
-class LazyIntentLedger(TimedLedger):
-    def __init__(self, url: str, **kw: Any) -> None:
-        super().__init__(url, **kw)
-        self.intent_engine = (
-            _sqlite_engine_with(url, "NORMAL") if self.dialect == "sqlite" else None
-        )
-
-    async def close(self) -> None:
-        if self.intent_engine is not None:
-            await self.intent_engine.dispose()
-        await super().close()
-
-    async def begin_call(self, *a: Any, **kw: Any) -> Any:
-        token = _INTENT.set(True)
-        try:
-            return await super().begin_call(*a, **kw)
-        finally:
-            _INTENT.reset(token)
-
-    async def _transact(self, body: Callable[[Connection], _T]) -> _T:
-        if not _INTENT.get():
-            return await super()._transact(body)
-        if self.intent_engine is not None:
-            async with self._translate(), self.intent_engine.begin() as conn:
-                return await conn.run_sync(body)
-        async with self._write() as conn:
-            await conn.exec_driver_sql("SET LOCAL synchronous_commit TO OFF")
-            return await conn.run_sync(body)
-
-
 def count_batches(ledger: Ledger) -> list[int]:
     """Record the size of every group-commit batch (a diagnostic hook on the ledger's writer)."""
     sizes: list[int] = []
@@ -146,8 +108,8 @@ def make_ledger(kind: str, url: str) -> Ledger:
         ledger = TimedLedger(url)
     elif kind == "nogroup":
         ledger = Ledger(url, group_commit=False)
-    elif kind == "lazyintent":
-        ledger = LazyIntentLedger(url)
+    elif kind == "flushintent":
+        ledger = Ledger(url, flush_intents=True)
     elif kind == "nosync":
         # Without group commit, so every write goes through this unflushed engine.
         ledger = Ledger(url, group_commit=False, engine=_sqlite_engine_with(url, "OFF"))

@@ -24,6 +24,7 @@ __all__ = [
     "LOGPROB_F32",
     "LOGPROB_F64",
     "RunningDigest",
+    "digest_state",
     "pack_ids",
     "pack_log_probs",
     "prefix_digests",
@@ -95,6 +96,12 @@ def token_digest(ids: Sequence[int] | bytes) -> str:
     """Hex SHA-256 of a token sequence (``ids`` may already be packed)."""
     data = ids if isinstance(ids, bytes) else pack_ids(ids)
     return hashlib.sha256(_DOMAIN + data).hexdigest()
+
+
+def digest_state() -> hashlib._Hash:
+    """A fresh token-digest state (SHA-256 seeded with the domain tag); ``.copy()`` it to extend a
+    known prefix's digest with only the tokens that follow it."""
+    return hashlib.sha256(_DOMAIN)
 
 
 def prefix_digests(packed: bytes, lengths: Iterable[int]) -> dict[int, str]:

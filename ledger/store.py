@@ -15,7 +15,7 @@ import re
 import threading
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any, TypeVar, cast
 
@@ -32,14 +32,15 @@ from ledger.errors import (
     InvalidRecord,
     LedgerError,
     NotFound,
-    PayloadConflict,
     RolloutFrozen,
     RolloutRetired,
     Unavailable,
 )
 from ledger.ids import validate_call_id, validate_rollout_id
 from ledger.model import CallView, ChainLinkTokens, Quarantine
-from ledger.records import TokenEntry, coerce_entry, payload_digest
+from ledger.records import TokenEntry, coerce_entry
+from ledger.storage import ingest
+from ledger.storage.tips import TipCache
 from ledger.tables import (
     Call,
     CallTokens,
@@ -135,40 +136,13 @@ class SnapshotViews:
     incomplete_reasons: tuple[str, ...] = ()
 
 
-@dataclass(slots=True)
-class _Prepared:
-    entry: TokenEntry
-    prompt: bytes
-    generation: bytes
-    lp_codec: str
-    log_probs: bytes
-    digest: str
-    prompt_digest: str
-    cumulative_digest: str
-    extra: dict[str, Any] = field(default_factory=dict)
+# The record packed and hashed once (``ledger.storage.ingest``); kept under the old names.
+_Prepared = ingest.Prepared
 
 
-def _prepare(entry: TokenEntry) -> _Prepared:
+def _prepare(entry: TokenEntry, tips: TipCache | None = None) -> _Prepared:
     """Pack and hash a record (pure CPU; may run in a worker thread)."""
-    prompt = codec.pack_ids(entry.prompt_token_ids)
-    generation = codec.pack_ids(entry.generation_token_ids)
-    lp_codec, log_probs = codec.pack_log_probs(entry.generation_log_probs)
-    # One pass over the prompt yields both the prompt and the cumulative digest.
-    running = codec.RunningDigest()
-    running.update(prompt)
-    prompt_digest = running.hexdigest()
-    running.update(generation)
-    return _Prepared(
-        entry=entry,
-        prompt=prompt,
-        generation=generation,
-        lp_codec=lp_codec,
-        log_probs=log_probs,
-        digest=payload_digest(entry, prompt_digest, generation),
-        prompt_digest=prompt_digest,
-        cumulative_digest=running.hexdigest(),
-        extra=entry.extra_fields(),
-    )
+    return ingest.prepare(entry, tips)
 
 
 def _validate_reason(reason: str) -> str:
@@ -179,18 +153,7 @@ def _validate_reason(reason: str) -> str:
     return reason
 
 
-def _first_mismatch(a: bytes, b: bytes) -> int:
-    """Index of the first differing token between two packed sequences (or the shorter length)."""
-    n = min(len(a), len(b)) // 4
-    lo, hi = 0, n
-    # Binary search on equal prefixes: bytes comparison of slices is C-fast.
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[: mid * 4] == b[: mid * 4]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+_first_mismatch = ingest.first_mismatch
 
 
 class Ledger:
@@ -204,11 +167,17 @@ class Ledger:
         auto_migrate: bool = False,
         group_commit: bool | None = None,
         engine: AsyncEngine | None = None,
+        flush_intents: bool = False,
     ):
         self.engine = engine or make_engine(url)
         self.url = url
         self.delta_records = delta_records
         self.auto_migrate = auto_migrate
+        # An intent's commit need not wait for its own flush: the call's next write (record,
+        # cancel or incomplete mark) is flushed before the harness is answered and, later in
+        # the same sequential log (SQLite WAL, Postgres WAL), makes the intent durable with it.
+        # A process crash never loses a committed intent either way.
+        self.flush_intents = flush_intents
         self.dialect = self.engine.dialect.name
 
         self._schema_ready = False
@@ -216,11 +185,27 @@ class Ledger:
         if group_commit is None:
             group_commit = self.dialect == "sqlite"
         self._group = _GroupCommit(self) if group_commit else None
+        # Digest state of each rollout's latest calls: continuations hash only their suffix.
+        self._tips = TipCache()
+        # Postgres hot path: asyncpg directly (prepared statements), one pool per event loop.
+        self._pool: Any = None
+        self._pool_loop: asyncio.AbstractEventLoop | None = None
+        self._pool_lock = asyncio.Lock()
 
     async def close(self) -> None:
         if self._group is not None:
             await self._group.close()
+        await self._close_pool()
         await self.engine.dispose()
+
+    async def _close_pool(self) -> None:
+        pool, self._pool = self._pool, None
+        if pool is None:
+            return
+        if self._pool_loop is asyncio.get_running_loop():
+            await pool.close()
+        else:
+            pool.terminate()
 
     async def ensure_schema(self) -> None:
         """Migrate the database to head once per process (guarded against concurrent runs)."""
@@ -250,19 +235,79 @@ class Ledger:
                 raise
             raise translated from exc
 
-    async def _transact(self, body: Callable[[Connection], _T]) -> _T:
+    async def _transact(self, body: Callable[[Connection], _T], *, flush: bool = True) -> _T:
         """Run ``body`` in one write transaction and return only after it committed.
 
         Bodies are synchronous functions over a ``Connection``: on Postgres they run through
         asyncpg (``run_sync``); on SQLite they run in the group-commit writer thread, which
-        shares one durable commit among concurrent writers.
+        shares one durable commit among concurrent writers.  ``flush=False`` (SQLite's writer
+        only): the commit may skip its own flush when no other write of its batch needs one.
         """
         if self.auto_migrate and not self._schema_ready:
             await self.ensure_schema()
         if self._group is not None:
-            return await self._group.submit(body)
+            return await self._group.submit(body, flush=flush)
         async with self._write() as aconn:
             return await aconn.run_sync(body)
+
+    async def _run_steps(self, make: Callable[[], ingest.Steps], *, flush: bool = True) -> Any:
+        """Run one hot-path operation (``ledger.storage.ingest``) in one write transaction:
+        SQLite in the group-commit writer, Postgres through asyncpg; returns after the commit
+        (``flush=False``: after a commit that need not wait for its own flush)."""
+        if self.dialect == "sqlite":
+            return await self._transact(
+                lambda conn: ingest.run_sqlite(conn.connection.dbapi_connection, make()),
+                flush=flush,
+            )
+        if self.auto_migrate and not self._schema_ready:
+            await self.ensure_schema()
+        pool = await self._pg_pool()
+        try:
+            async with pool.acquire() as conn, conn.transaction():
+                if not flush:
+                    await conn.execute("SET LOCAL synchronous_commit = off")
+                return await ingest.run_postgres(conn, make())
+        except LedgerError:
+            raise
+        except Exception as exc:
+            translated = _translate_pg_error(exc)
+            if translated is exc:
+                raise
+            raise translated from exc
+
+    async def _pg_pool(self) -> Any:
+        loop = asyncio.get_running_loop()
+        if self._pool is not None and self._pool_loop is loop:
+            return self._pool
+        async with self._pool_lock:
+            if self._pool is None or self._pool_loop is not loop:
+                import asyncpg
+
+                from ledger.engine import PG_LOCK_TIMEOUT_MS, PG_STATEMENT_TIMEOUT_MS
+
+                if self._pool is not None:
+                    self._pool.terminate()
+                dsn = self.engine.url.set(drivername="postgresql").render_as_string(
+                    hide_password=False
+                )
+                try:
+                    self._pool = await asyncpg.create_pool(
+                        dsn,
+                        min_size=1,
+                        max_size=10,
+                        server_settings={
+                            "lock_timeout": str(PG_LOCK_TIMEOUT_MS),
+                            "statement_timeout": str(PG_STATEMENT_TIMEOUT_MS),
+                            "application_name": "rollout-ledger",
+                        },
+                    )
+                except Exception as exc:
+                    raise Unavailable(f"ledger database unavailable: {exc}") from exc
+                self._pool_loop = loop
+        return self._pool
+
+    def _now(self) -> Any:
+        return ingest.sqlite_now() if self.dialect == "sqlite" else utcnow()
 
     @contextlib.asynccontextmanager
     async def _write(self) -> AsyncIterator[AsyncConnection]:
@@ -344,23 +389,12 @@ class Ledger:
         validate_rollout_id(rollout_id)
         validate_call_id(model_call_id)
 
-        def body(conn: Connection) -> bool:
-            state = self._lock_rollout(conn, rollout_id)
-            self._refuse_if_closed(state, "begin_call")
-            res = conn.execute(
-                self._insert(C)
-                .values(
-                    rollout_id=rollout_id,
-                    model_call_id=model_call_id,
-                    status="intent",
-                    route=route,
-                    model=model or "",
-                )
-                .on_conflict_do_nothing(index_elements=["rollout_id", "model_call_id"])
-            )
-            return bool(res.rowcount)
-
-        return await self._transact(body)
+        now = self._now()
+        created: bool = await self._run_steps(
+            lambda: ingest.begin_call_steps(rollout_id, model_call_id, route, model or "", now),
+            flush=self.flush_intents,
+        )
+        return created
 
     async def cancel_call(self, rollout_id: str, model_call_id: str) -> bool:
         """Close an intent for a call that ended without generating; True if one was open."""
@@ -404,131 +438,30 @@ class Ledger:
             entry = await materialize_delta(self, entry)
         n_tokens = len(entry.prompt_token_ids) + len(entry.generation_token_ids)
         if n_tokens > _OFFLOAD_TOKENS:
-            prep = await asyncio.to_thread(_prepare, entry)
+            prep = await asyncio.to_thread(ingest.prepare, entry, self._tips)
         else:
-            prep = _prepare(entry)
-        rid, cid = entry.rollout_id, entry.model_call_id
-
-        def body(conn: Connection) -> PutResult | _Deferred:
-            state = self._lock_rollout(conn, rid)
-            existing = (
-                conn.execute(
-                    sa.select(C.c.id, C.c.status, C.c.payload_digest).where(
-                        C.c.rollout_id == rid, C.c.model_call_id == cid
-                    )
-                )
-            ).one_or_none()
-            if state.state != "retired" and existing is not None and existing.status == "captured":
-                if existing.payload_digest == prep.digest:
-                    return PutResult("duplicate", state.version)
-                if state.state == "open":
-                    detail = f"model call id {cid!r} was reused with a different payload"
-                    self._add_incomplete(conn, rid, cid, "conflicting_payload", detail)
-                    # Commit the incomplete mark, then refuse: the first record stays.
-                    return _Deferred(
-                        PayloadConflict(
-                            f"model call id {cid!r} was reused with a different payload for "
-                            f"rollout {rid!r}; the first record is kept and the rollout is marked "
-                            "incomplete",
-                            rollout_id=rid,
-                        )
-                    )
-            self._refuse_if_closed(state, f"record for call {cid!r}")
-            return self._insert_record(
-                conn,
+            prep = ingest.prepare(entry, self._tips)
+        now = self._now()
+        out: ingest.Outcome = await self._run_steps(
+            lambda: ingest.put_steps(
                 prep,
-                existing.id if existing is not None else None,
                 route=route,
                 request_fingerprint=request_fingerprint,
                 continuation_fingerprint=continuation_fingerprint,
-            )
-
-        out = await self._transact(body)
-        if isinstance(out, _Deferred):
-            raise out.error
-        return out
-
-    def _insert_record(
-        self,
-        conn: Connection,
-        prep: _Prepared,
-        intent_pk: int | None,
-        *,
-        route: str | None,
-        request_fingerprint: str,
-        continuation_fingerprint: str,
-    ) -> PutResult:
-        e = prep.entry
-        rid = e.rollout_id
-        plen, glen = len(e.prompt_token_ids), len(e.generation_token_ids)
-        parent = self._prove_parent(conn, rid, prep.prompt, plen)
-        stored_prompt, is_delta = prep.prompt, False
-        if parent is not None and self.delta_records:
-            stored_prompt, is_delta = prep.prompt[parent.cumulative_len * 4 :], True
-        values: dict[str, Any] = {
-            "status": "captured",
-            "model": e.model,
-            "route": route,
-            "response_id": e.response_id,
-            "schema_version": e.schema_version,
-            "payload_digest": prep.digest,
-            "created_at": e.created_at,
-            "recorded_at": utcnow(),
-            "prompt_len": plen,
-            "generation_len": glen,
-            "cumulative_len": plen + glen,
-            "prompt_digest": prep.prompt_digest,
-            "cumulative_digest": prep.cumulative_digest,
-            "parent_call_id": parent.model_call_id if parent else None,
-            "prompt_is_delta": is_delta,
-            "output_items": e.output_items,
-            "token_item_index": e.token_item_index,
-            "extra": prep.extra or None,
-            "request_fingerprint": request_fingerprint or None,
-            "continuation_fingerprint": continuation_fingerprint or None,
-        }
-        if intent_pk is None:
-            pk = (
-                conn.execute(
-                    C.insert()
-                    .values(rollout_id=rid, model_call_id=e.model_call_id, **values)
-                    .returning(C.c.id)
-                )
-            ).scalar_one()
-        else:
-            pk = intent_pk
-            conn.execute(C.update().where(C.c.id == pk).values(**values))
-        conn.execute(
-            T.insert().values(
-                call_id=pk,
-                ids_codec=codec.IDS_TAG,
-                log_prob_codec=prep.lp_codec,
-                prompt_count=len(stored_prompt) // 4,
-                generation_count=glen,
-                prompt_ids=stored_prompt,
-                generation_ids=prep.generation,
-                log_probs=prep.log_probs,
-                routed_experts=e.routed_experts,
+                delta_records=self.delta_records,
+                now=now,
             )
         )
-        if parent is not None:
-            conn.execute(
-                E.insert().values(
-                    rollout_id=rid,
-                    child_id=pk,
-                    parent_id=parent.pk,
-                    method=parent.method,
-                    status="verified",
-                    shared_len=parent.cumulative_len,
-                )
-            )
-        self._diagnose_drift(conn, rid, pk, prep.prompt, parent, request_fingerprint)
-        version = self._bump(conn, rid)
+        if out.deferred is not None:
+            raise out.deferred
+        if out.status == "created" and out.pk is not None and prep.generation:
+            self._tips.remember(entry.rollout_id, prep.tip(out.pk))
+        parent = out.parent
         return PutResult(
-            "created",
-            version,
+            out.status,
+            out.version,
             parent.model_call_id if parent else None,
-            is_delta,
+            out.prompt_is_delta,
             parent.method if parent else None,
         )
 
@@ -604,51 +537,6 @@ class Ledger:
             return None
         method = "identical_retry" if len(tied) > 1 else "token_prefix"
         return _Parent(win.id, win.model_call_id, best, method)
-
-    def _diagnose_drift(
-        self,
-        conn: Connection,
-        rollout_id: str,
-        child_pk: int,
-        prompt: bytes,
-        parent: _Parent | None,
-        request_fingerprint: str,
-    ) -> None:
-        """Store a drifted edge when the conversation continues a call the tokens do not extend."""
-        if not request_fingerprint:
-            return
-        conv = (
-            conn.execute(
-                sa.select(C.c.id, C.c.model_call_id, C.c.cumulative_len, C.c.cumulative_digest)
-                .where(
-                    C.c.rollout_id == rollout_id,
-                    C.c.status == "captured",
-                    C.c.continuation_fingerprint == request_fingerprint,
-                    C.c.id != child_pk,
-                )
-                .order_by(C.c.id)
-                .limit(1)
-            )
-        ).one_or_none()
-        if conv is None or (parent is not None and conv.id == parent.pk):
-            return
-        if parent is not None and parent.cumulative_len == conv.cumulative_len:
-            return  # an identical retry of the token parent: same tokens, nothing drifted
-        cumulative = self._cumulative_bytes(conn, rollout_id, conv.model_call_id)
-        pos = _first_mismatch(prompt, cumulative)
-        kind = "prompt_shorter" if pos * 4 == len(prompt) else "token_mismatch"
-        conn.execute(
-            E.insert().values(
-                rollout_id=rollout_id,
-                child_id=child_pk,
-                parent_id=conv.id,
-                method="conversation",
-                status="drifted",
-                shared_len=pos,
-                mismatch_pos=pos,
-                mismatch_kind=kind,
-            )
-        )
 
     def _ancestry_query(self, rollout_id: str, model_call_id: str, *, to_anchor: bool) -> Any:
         """One recursive query walking verified parents from a call up to the root.
@@ -1087,6 +975,16 @@ class Ledger:
         return await self._transact(body)
 
 
+def _translate_pg_error(exc: Exception) -> Exception:
+    """The ledger error for an asyncpg error on the hot path (unchanged if it is not one)."""
+    from asyncpg import exceptions as pg
+
+    if isinstance(exc, pg.IntegrityConstraintViolationError | pg.DataError):
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        return InvalidInput(f"the database refused the value: {first}")
+    return _translate_error(exc)
+
+
 def _translate_error(exc: Exception) -> Exception:
     """The ledger error for a driver error (unchanged if it is not one)."""
     if isinstance(exc, LedgerError):
@@ -1102,21 +1000,16 @@ def _translate_error(exc: Exception) -> Exception:
     return exc
 
 
-@dataclass(frozen=True, slots=True)
-class _Deferred:
-    """A refusal decided inside a transaction whose writes must still commit."""
-
-    error: LedgerError
-
-
 class _GroupCommit:
     """Group commit for SQLite (design §8): concurrent writes share one durable commit.
 
     One writer thread owns a synchronous SQLite connection.  It takes every write queued while
-    the previous commit was in flight, runs each in its own SAVEPOINT inside one
-    ``BEGIN IMMEDIATE`` transaction, commits once (one fsync under ``synchronous=FULL``) and
-    only then acknowledges each caller on its event loop.  A write that raises rolls back to
-    its savepoint alone; a failed commit fails every write of the batch.  Nothing is
+    the previous commit was in flight, runs them in one ``BEGIN IMMEDIATE`` transaction, commits
+    once (one fsync under ``synchronous=FULL``) and only then acknowledges each caller on its
+    event loop.  A write that raises before changing anything (a refusal) just fails; one that
+    raises after changing rows rolls the batch back, which then runs again with one SAVEPOINT
+    per write, so a failing write never takes another's changes with it; a failed commit fails
+    every write of the batch.  Nothing is
     acknowledged before its commit.  The thread also keeps SQL off the event loop, one hand-off
     per batch instead of one per statement.
     """
@@ -1129,12 +1022,13 @@ class _GroupCommit:
         self._thread: threading.Thread | None = None
         self._start_lock = threading.Lock()
         self._engine: Engine | None = None
+        self._mode = "FULL"  # the writer connection's PRAGMA synchronous (engine.py sets FULL)
 
-    async def submit(self, body: Callable[[Connection], _T]) -> _T:
+    async def submit(self, body: Callable[[Connection], _T], *, flush: bool = True) -> _T:
         self._ensure_thread()
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[_T] = loop.create_future()
-        self._queue.put((body, fut, loop))
+        self._queue.put((body, fut, loop, flush))
         return await asyncio.shield(fut)
 
     def _ensure_thread(self) -> None:
@@ -1180,6 +1074,53 @@ class _GroupCommit:
                 return
 
     def _commit(self, batch: list[_Job]) -> None:
+        """Run the batch in one transaction without savepoints; a write that fails after it
+        changed something makes the whole batch roll back and run again with one savepoint per
+        write (so each write still succeeds or fails alone)."""
+        assert self._engine is not None
+        outcomes: list[tuple[_Job, Any, BaseException | None]] = []
+        try:
+            with self._engine.connect() as conn:
+                dbapi: Any = conn.connection.dbapi_connection
+                self._synchronous(dbapi, any(job[3] for job in batch))
+                with conn.begin():
+                    self._run_batch(conn, dbapi, batch, outcomes)
+        except _Replay:
+            self._commit_with_savepoints(batch)
+            return
+        except Exception as exc:  # the commit (or the transaction) failed: nothing is durable
+            failure = _translate_error(exc)
+            for job in batch:
+                _resolve(job, None, failure)
+            return
+        for job, value, error in outcomes:
+            _resolve(job, value, error)
+
+    def _synchronous(self, dbapi: Any, flush: bool) -> None:
+        """FULL (the commit waits for its flush) unless no write of the batch needs one."""
+        mode = "FULL" if flush else "NORMAL"
+        if self._mode != mode:
+            dbapi.execute(f"PRAGMA synchronous={mode}")
+            self._mode = mode
+
+    @staticmethod
+    def _run_batch(
+        conn: Connection,
+        dbapi: Any,
+        batch: list[_Job],
+        outcomes: list[tuple[_Job, Any, BaseException | None]],
+    ) -> None:
+        for job in batch:
+            changes = dbapi.total_changes
+            try:
+                outcomes.append((job, job[0](conn), None))
+            except Exception as exc:
+                if dbapi.total_changes != changes or not dbapi.in_transaction:
+                    raise _Replay from exc
+                # It failed before changing anything: nothing to undo.
+                outcomes.append((job, None, _translate_error(exc)))
+
+    def _commit_with_savepoints(self, batch: list[_Job]) -> None:
         assert self._engine is not None
         outcomes: list[tuple[_Job, Any, BaseException | None]] = []
         try:
@@ -1199,11 +1140,16 @@ class _GroupCommit:
             _resolve(job, value, error)
 
 
-_Job = tuple[Callable[[Connection], Any], "asyncio.Future[Any]", asyncio.AbstractEventLoop]
+class _Replay(Exception):
+    """A write failed after changing rows: roll the batch back and rerun it with savepoints."""
+
+
+# (body, future, the caller's loop, whether its commit must wait for the flush)
+_Job = tuple[Callable[[Connection], Any], "asyncio.Future[Any]", asyncio.AbstractEventLoop, bool]
 
 
 def _resolve(job: _Job, value: Any, error: BaseException | None) -> None:
-    _body, fut, loop = job
+    _body, fut, loop, _flush = job
 
     def settle() -> None:
         if fut.done():

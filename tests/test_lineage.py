@@ -12,6 +12,7 @@ from sqlalchemy import event
 from sqlalchemy.engine import Engine
 
 from ledger import codec
+from ledger.storage import ingest
 from ledger.store import Ledger
 from tests.test_promises import rec
 
@@ -26,12 +27,18 @@ def capture_sql(led: Ledger) -> Iterator[list[str]]:
     def before(_conn: Any, _cur: Any, statement: str, *_a: Any) -> None:
         seen.append(" ".join(statement.split()))
 
-    # Every engine (the ledger's async engine and the SQLite group-commit writer's own).
+    def plain(statement: str) -> None:
+        seen.append(" ".join(statement.split()))
+
+    # Every engine (the ledger's async engine and the SQLite group-commit writer's own), and
+    # the ingest hot path's plain SQL.
     event.listen(Engine, "before_cursor_execute", before)
+    ingest.OBSERVERS.append(plain)
     try:
         yield seen
     finally:
         event.remove(Engine, "before_cursor_execute", before)
+        ingest.OBSERVERS.remove(plain)
 
 
 async def stored_prompt(led: Ledger, rollout_id: str, call_id: str) -> tuple[list[int], bool]:
@@ -93,8 +100,20 @@ async def test_candidates_are_found_without_loading_token_arrays(ledger: Ledger,
     with capture_sql(ledger) as seen:
         res = await ledger.put(rec(r, "last", prompt, [1]))
     assert res.parent_call_id == "c5"
+    assert any(s.startswith("SELECT") and "cumulative_digest" in s for s in seen), seen
     token_reads = [s for s in seen if "call_tokens" in s and s.startswith("SELECT")]
-    # Exactly one read of tokens: the winner's generation, by its primary key.
+    # This ledger wrote c5's tokens and still holds their digest state: no token read at all.
+    assert token_reads == []
+    # A ledger that did not (another process, after a restart) reads exactly one token array:
+    # the winner's generation, by its primary key.
+    other = Ledger(ledger.url)
+    try:
+        with capture_sql(other) as seen:
+            res = await other.put(rec(r, "last2", [*prompt, 1, 7], [2]))
+    finally:
+        await other.close()
+    assert res.parent_call_id == "last"
+    token_reads = [s for s in seen if "call_tokens" in s and s.startswith("SELECT")]
     assert len(token_reads) == 1, token_reads
     assert "generation_ids" in token_reads[0] and "prompt_ids" not in token_reads[0]
 

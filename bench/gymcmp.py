@@ -1,0 +1,370 @@
+"""``python -m bench.gymcmp``: the ledger against NeMo Gym 0.7.0's own file store, in one run.
+
+The released ``nemo_gym.token_id_capture.store.TokenCaptureStore`` (the wheel unpacked under
+``$ROLLOUT_LEDGER_CACHE/nemo-gym-wheel/extracted``) and the ledger ingest the same calls on the
+same disk, alternating, ``--reps`` times; every figure the report shows for the ledger is a ratio
+against the Gym store measured in the same repetition, with the spread over repetitions.
+
+Per call, both sides do what their capture path does between the upstream answer and the
+harness's answer: the intent (``begin_call``), then the record, durable before it returns.
+Gym records are stamped as Gym's ``commit_entry`` stamps them (``stamp_lineage`` with the
+resolved parent's cumulative tokens; with ``delta_records`` the prompt becomes the suffix beyond
+the parent and ``prompt_is_delta`` is set); the parent's cumulative tokens come from memory (what
+Gym's request-time resolver hands back), so Gym's resolver cost is not counted against it.
+
+Phases: ``ingest`` (8 concurrent rollouts x 50 turns, the issue-12 workload), ``bytes``
+(stored bytes per rollout at 8x50 and 8x10), ``build`` (freeze + build + projection per rollout,
+each side's own ``finalize_rollout_token_capture``), ``long`` (one 200-turn rollout, one call at
+a time: CPU per call at turns 191-200 against turns 1-10, and its build).
+
+Writes ``bench/results/gymcmp.json`` (or ``--out``); ``python -m bench report`` puts it into
+``docs/performance.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from bench import machine
+from bench.dbs import Db, DbFactory
+from bench.direct import ROUTE, rollout_result
+from bench.workload import Workload, direct_calls, distinct_token_stats
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "bench" / "results"
+CACHE = Path(os.environ.get("ROLLOUT_LEDGER_CACHE", Path.home() / ".cache" / "rollout-ledger"))
+WHEEL = CACHE / "nemo-gym-wheel" / "extracted"
+
+
+def _gym() -> Any:
+    """Import the released Gym capture package (pure Python) from the unpacked wheel."""
+    if str(WHEEL) not in sys.path:
+        sys.path.insert(0, str(WHEEL))
+    # ``delivery`` needs omegaconf (Gym's config stack); its build step is ``consumer``'s.
+    from nemo_gym.token_id_capture import consumer, records, store
+
+    return records, store, consumer
+
+
+# --------------------------------------------------------------------------- one side each
+
+
+def _plans(w: Workload, prefix: str) -> list[list[Any]]:
+    return [list(direct_calls(w, r, prefix=prefix)) for r in range(w.rollouts)]
+
+
+async def _drive(
+    plans: list[list[Any]], call: Callable[[dict[str, Any], dict[str, Any]], Any]
+) -> dict[str, Any]:
+    """Run every rollout's calls in order, all rollouts at once; per-call CPU when sequential."""
+    cpu_by_turn: dict[int, list[float]] = {}
+
+    async def one(calls: list[Any]) -> None:
+        state: dict[str, Any] = {}
+        for c in calls:
+            c0 = time.process_time()
+            await call(c.entry, state)
+            cpu_by_turn.setdefault(c.turn, []).append((time.process_time() - c0) * 1e3)
+
+    n = sum(len(p) for p in plans)
+    cpu0, t0 = time.process_time(), time.perf_counter()
+    await asyncio.gather(*(one(p) for p in plans))
+    wall, cpu = time.perf_counter() - t0, time.process_time() - cpu0
+    return {
+        "calls": n,
+        "wall_s": wall,
+        "calls_per_s": n / wall,
+        "cpu_ms_per_call": cpu * 1e3 / n,
+        "cpu_ms_by_turn": {t: statistics.median(v) for t, v in sorted(cpu_by_turn.items())},
+    }
+
+
+class GymSide:
+    """NeMo Gym 0.7.0's file store, records stamped as its capture path stamps them."""
+
+    def __init__(self, root: Path, *, delta: bool) -> None:
+        self.records, store, self.consumer = _gym()
+        self.root = root
+        self.store = store.TokenCaptureStore(root)
+        self.delta = delta
+        self.RESOLVED = self.records.ParentResolutionStatus.RESOLVED
+        self.ROOT = self.records.ParentResolutionStatus.ROOT
+
+    async def call(self, e: dict[str, Any], state: dict[str, Any]) -> None:
+        rid, cid = e["rollout_id"], e["model_call_id"]
+        await self.store.begin_call(rid, cid)
+        entry = self.records.TokenEntry(**e)  # what capture_tokens builds from the response
+        parent = state.get("parent")
+        if parent is None:
+            self.records.stamp_lineage(entry, None, parent_resolution=self.ROOT)
+        else:
+            pid, parent_cum = parent
+            cumulative = None
+            prompt = list(entry.prompt_token_ids)
+            if (
+                self.delta
+                and len(prompt) >= len(parent_cum)
+                and prompt[: len(parent_cum)] == parent_cum
+            ):
+                cumulative = prompt + list(entry.generation_token_ids)
+                entry.prompt_token_ids = prompt[len(parent_cum) :]
+                entry.prompt_is_delta = True
+            self.records.stamp_lineage(
+                entry, pid, parent_resolution=self.RESOLVED, cumulative=cumulative
+            )
+        await self.store.put(entry)
+        state["parent"] = (cid, list(e["prompt_token_ids"]) + list(e["generation_token_ids"]))
+
+    def bytes_on_disk(self, rollout_ids: list[str]) -> int:
+        total = 0
+        for rid in rollout_ids:
+            for p in self.root.glob(f"{rid}.tokens*"):
+                total += p.stat().st_size
+        return total
+
+    async def finalize(self, result: dict[str, Any]) -> dict[str, Any] | None:
+        # The build inside Gym's ``finalize_rollout_token_capture``: freeze, build, project.
+        response = result["response"]
+        out: dict[str, Any] | None = await self.consumer.trajectories_from_source(
+            result["_ng_rollout_id"], self.store, model="", verified_response=response
+        )
+        return out
+
+    async def close(self) -> None:
+        pass
+
+
+class LedgerSide:
+    """The ledger, exactly as the proxy drives it (``begin_call`` then ``put``)."""
+
+    def __init__(self, db: Db) -> None:
+        from ledger.store import Ledger
+
+        self.db = db
+        self.ledger = Ledger(db.url)
+
+    async def call(self, e: dict[str, Any], state: dict[str, Any]) -> None:
+        await self.ledger.begin_call(e["rollout_id"], e["model_call_id"], route=ROUTE, model="p")
+        res = await self.ledger.put(e, route=ROUTE)
+        if res.status != "created":
+            raise RuntimeError(f"put answered {res.status} for {e['model_call_id']}")
+
+    async def finalize(self, result: dict[str, Any]) -> dict[str, Any] | None:
+        from ledger.delivery import finalize_rollout_token_capture
+
+        out: dict[str, Any] | None = await finalize_rollout_token_capture(result, self.ledger)
+        return out
+
+    async def close(self) -> None:
+        await self.ledger.close()
+
+
+# --------------------------------------------------------------------------- phases
+
+
+async def _finalize_all(side: Any, plans: list[list[Any]]) -> dict[str, Any]:
+    ms: list[float] = []
+    outcomes: dict[str, int] = {}
+    for calls in plans:
+        last = [c for c in calls if c.kind == "turn"][-1].entry
+        result = rollout_result(last["rollout_id"], last["response_id"])
+        t0 = time.perf_counter()
+        built = await side.finalize(result)
+        ms.append((time.perf_counter() - t0) * 1e3)
+        outcome = _outcome(built)
+        outcomes[outcome] = outcomes.get(outcome, 0) + 1
+    return {"ms_p50": statistics.median(ms), "ms_max": max(ms), "outcomes": outcomes}
+
+
+def _outcome(built: dict[str, Any] | None) -> str:
+    if built is None:
+        return "none"
+    if "outcome" in built:
+        return str(built["outcome"])
+    if built.get("mask_sample"):
+        return "masked"
+    return "delivered"
+
+
+async def _run_side(
+    kind: str, w: Workload, tmp: Path, dbs: DbFactory, label: str, *, build: bool
+) -> dict[str, Any]:
+    prefix = f"{label}-"
+    plans = _plans(w, prefix)
+    raw = statistics.mean(distinct_token_stats(p)["raw_bytes"] for p in plans)
+    side: Any
+    db: Db | None = None
+    if kind.startswith("gym"):
+        root = tmp / f"gym-{label}"
+        side = GymSide(root, delta=kind == "gym_delta")
+    else:
+        db = await dbs.create(kind, label.replace("-", "_"))
+        side = LedgerSide(db)
+        before = await db.size_bytes()
+    try:
+        out = await _drive(plans, side.call)
+        rids = [f"{prefix}{r:04d}" for r in range(w.rollouts)]
+        if db is None:
+            stored = side.bytes_on_disk(rids)
+        else:
+            await side.ledger.close()
+            side = LedgerSide(db)
+            stored = await db.size_bytes() - before
+        out["stored_bytes_per_rollout"] = stored / w.rollouts
+        out["raw_bytes_per_rollout"] = raw
+        out["bytes_ratio"] = stored / w.rollouts / raw
+        if build:
+            out["build"] = await _finalize_all(side, plans)
+    finally:
+        await side.close()
+        if db is not None:
+            await dbs.drop(db)
+        elif kind.startswith("gym"):
+            shutil.rmtree(tmp / f"gym-{label}", ignore_errors=True)
+    return out
+
+
+def _spread(values: list[float]) -> dict[str, float]:
+    return {
+        "median": statistics.median(values),
+        "min": min(values),
+        "max": max(values),
+        "n": len(values),
+    }
+
+
+async def run(args: argparse.Namespace) -> dict[str, Any]:
+    w = Workload(rollouts=args.rollouts, turns=args.turns)
+    sides = ["gym_full", "gym_delta", *args.backends]
+    tmp = Path(tempfile.mkdtemp(prefix="rl_gymcmp_", dir=args.workdir))
+    dbs = DbFactory(tmp)
+    fsync0 = machine.fsync_probe(tmp, n=50)
+    machine_info = await machine.describe(tmp, None)
+    reps: list[dict[str, Any]] = []
+    try:
+        for rep in range(args.reps):
+            row: dict[str, Any] = {}
+            # Rotate the order so no side always runs first (or last) in a repetition.
+            order = sides[rep % len(sides) :] + sides[: rep % len(sides)]
+            for kind in order:
+                machine.load_snapshot()
+                res = await _run_side(
+                    kind, w, tmp, dbs, f"{kind[:3]}{rep}", build=rep == 0 or args.build_every
+                )
+                res["load"] = machine.load_snapshot()
+                row[kind] = res
+                print(
+                    f"rep {rep} {kind}: {res['calls_per_s']:.0f} calls/s, "
+                    f"{res['cpu_ms_per_call']:.2f} CPU ms/call, bytes {res['bytes_ratio']:.2f}x"
+                    + (f", build p50 {res['build']['ms_p50']:.1f} ms" if "build" in res else ""),
+                    file=sys.stderr,
+                    flush=True,
+                )
+            reps.append(row)
+        small = replace(w, turns=10)
+        bytes_8x10 = {}
+        for kind in sides:
+            res = await _run_side(kind, small, tmp, dbs, f"{kind[:3]}s", build=False)
+            bytes_8x10[kind] = {
+                "stored_bytes_per_rollout": res["stored_bytes_per_rollout"],
+                "bytes_ratio": res["bytes_ratio"],
+            }
+        long: dict[str, Any] = {}
+        if args.long_turns:
+            lw = replace(w, rollouts=1, turns=args.long_turns)
+            for kind in ["gym_delta", *args.backends]:
+                res = await _run_side(kind, lw, tmp, dbs, f"{kind[:3]}l", build=True)
+                by_turn = res["cpu_ms_by_turn"]
+                first = [by_turn[t] for t in range(1, 11)]
+                last = [by_turn[t] for t in range(lw.turns - 9, lw.turns + 1)]
+                long[kind] = {
+                    "turns": lw.turns,
+                    "cpu_ms_first10": statistics.median(first),
+                    "cpu_ms_last10": statistics.median(last),
+                    "ratio": statistics.median(last) / statistics.median(first),
+                    "build_ms": res["build"]["ms_p50"],
+                    "cpu_ms_by_turn": by_turn,
+                }
+                print(f"long {kind}: {long[kind]['ratio']:.2f}x", file=sys.stderr, flush=True)
+    finally:
+        await dbs.cleanup()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {
+        "generated": datetime.now(UTC).isoformat(timespec="seconds"),
+        "workload": w.describe(),
+        "reps": reps,
+        "ratios": _ratios(reps, args.backends),
+        "bytes_8x10": bytes_8x10,
+        "long": long,
+        "fsync_start": fsync0,
+        "machine": machine_info,
+    }
+
+
+def _ratios(reps: list[dict[str, Any]], backends: list[str]) -> dict[str, Any]:
+    """Per backend: calls/s against Gym at its best in the same repetition, with spread."""
+    out: dict[str, Any] = {}
+    for b in backends:
+        best = [max(r["gym_full"]["calls_per_s"], r["gym_delta"]["calls_per_s"]) for r in reps]
+        mine = [r[b]["calls_per_s"] for r in reps]
+        out[b] = {
+            "calls_per_s": _spread(mine),
+            "gym_best_calls_per_s": _spread(best),
+            "ratio_vs_gym_best": _spread([m / g for m, g in zip(mine, best, strict=True)]),
+            "cpu_ms_per_call": _spread([r[b]["cpu_ms_per_call"] for r in reps]),
+            "bytes_ratio": reps[0][b]["bytes_ratio"],
+        }
+        if "build" in reps[0][b]:
+            gb = min(reps[0][g]["build"]["ms_p50"] for g in ("gym_full", "gym_delta"))
+            out[b]["build_vs_gym_best"] = reps[0][b]["build"]["ms_p50"] / gb
+    for g in ("gym_full", "gym_delta"):
+        out[g] = {
+            "calls_per_s": _spread([r[g]["calls_per_s"] for r in reps]),
+            "cpu_ms_per_call": _spread([r[g]["cpu_ms_per_call"] for r in reps]),
+            "bytes_ratio": reps[0][g]["bytes_ratio"],
+        }
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.gymcmp", description=__doc__)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--rollouts", type=int, default=8)
+    ap.add_argument("--turns", type=int, default=50)
+    ap.add_argument("--long-turns", type=int, default=200, help="0 skips the long rollout")
+    ap.add_argument("--backends", default="sqlite,postgres")
+    ap.add_argument("--build-every", action="store_true", help="build in every repetition")
+    ap.add_argument("--workdir", type=Path, default=None)
+    ap.add_argument("--out", type=Path, default=RESULTS / "gymcmp.json")
+    args = ap.parse_args(argv)
+    args.backends = [b for b in args.backends.split(",") if b]
+    out = asyncio.run(run(args))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(out, indent=1, default=str) + "\n")
+    r = out["ratios"]
+    for b in args.backends:
+        s = r[b]["ratio_vs_gym_best"]
+        print(
+            f"{b}: {s['median']:.2f}x Gym's best calls/s (range {s['min']:.2f}-{s['max']:.2f}, "
+            f"n={s['n']}); bytes {r[b]['bytes_ratio']:.2f}x raw; "
+            f"build {r[b].get('build_vs_gym_best', float('nan')):.2f}x Gym's",
+            file=sys.stderr,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,418 @@
+"""The intent and the record, as step functions over the named statements.
+
+Each operation is a generator that yields ``(statement name, parameters)`` and receives the
+statement's rows; it returns its outcome.  :func:`run_sqlite` drives one on a DB-API SQLite
+connection (inside the group-commit writer's transaction), :func:`run_postgres` on an asyncpg
+connection (inside one transaction), so both dialects run the same logic and the same promises
+(design §4.1-4.3, §4.6, §5.3) with plain prepared SQL.
+
+Per call, typically: the intent is 2 statements (rollout state, intent row); the record is 6
+(rollout state with the call's row, parent candidates, the record over its intent, its tokens,
+its lineage edge, the version bump), plus one read of the parent's generation when the digest
+cache did not see the parent written.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Generator, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from ledger import codec
+from ledger.errors import InvalidRecord, LedgerError, PayloadConflict, RolloutFrozen, RolloutRetired
+from ledger.records import TokenEntry, payload_digest
+from ledger.storage.statements import STATEMENTS
+from ledger.storage.tips import PrefixHasher, Tip, TipCache
+
+__all__ = [
+    "OBSERVERS",
+    "Outcome",
+    "Parent",
+    "Prepared",
+    "begin_call_steps",
+    "first_mismatch",
+    "prepare",
+    "put_steps",
+    "run_postgres",
+    "run_sqlite",
+    "sqlite_now",
+]
+
+Step = tuple[str, tuple[Any, ...]]
+Steps = Generator[Step, Sequence[Any], Any]
+
+# Candidate parents are read this many at a time, longest first.
+CANDIDATE_BATCH = 16
+
+# Callables given each statement's text before it runs (tests watch what the hot path sends;
+# SQLAlchemy's cursor events do not see it).
+OBSERVERS: list[Callable[[str], None]] = []
+
+
+def sqlite_now() -> str:
+    """Now, as SQLAlchemy's SQLite ``DateTime`` stores it (UTC, no offset)."""
+    return datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
+
+
+def pg_now() -> datetime:
+    return datetime.now(UTC)
+
+
+def _json(value: Any) -> str | None:
+    # The same text SQLAlchemy's JSON type writes (stdlib json: NaN stays refusable by Postgres).
+    return None if value is None else json.dumps(value)
+
+
+# --------------------------------------------------------------------------- the record, packed
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A record packed and hashed once, before its transaction."""
+
+    entry: TokenEntry
+    prompt: bytes
+    generation: bytes
+    lp_codec: str
+    log_probs: bytes
+    digest: str
+    prompt_digest: str
+    cumulative_digest: str
+    hasher: PrefixHasher
+    cumulative_state: Any
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def base(self) -> Tip | None:
+        return self.hasher.base
+
+    def tip(self, pk: int) -> Tip:
+        cumulative = self.prompt + self.generation
+        return Tip(
+            pk, self.entry.model_call_id, cumulative, self.cumulative_state, self.cumulative_digest
+        )
+
+
+def prepare(entry: TokenEntry, tips: TipCache | None = None) -> Prepared:
+    """Pack and hash a record: the prompt's digest extends the longest remembered tip it starts
+    with, so a continuation hashes only its new tokens (pure CPU; may run in a worker thread)."""
+    prompt = codec.pack_ids(entry.prompt_token_ids)
+    generation = codec.pack_ids(entry.generation_token_ids)
+    lp_codec, log_probs = codec.pack_log_probs(entry.generation_log_probs)
+    base = tips.base_for(entry.rollout_id, prompt) if tips is not None else None
+    hasher = PrefixHasher(prompt, base)
+    plen = len(prompt) // 4
+    state = hasher.state_at(plen)
+    prompt_digest = state.hexdigest()
+    hasher._memo[plen] = prompt_digest
+    state.update(generation)
+    return Prepared(
+        entry=entry,
+        prompt=prompt,
+        generation=generation,
+        lp_codec=lp_codec,
+        log_probs=log_probs,
+        digest=payload_digest(entry, prompt_digest, generation),
+        prompt_digest=prompt_digest,
+        cumulative_digest=state.hexdigest(),
+        hasher=hasher,
+        cumulative_state=state,
+        extra=entry.extra_fields(),
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class Parent:
+    pk: int
+    model_call_id: str
+    cumulative_len: int
+    method: str
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What a record's transaction did: ``created``/``duplicate``, or a refusal to raise after
+    the transaction committed (the conflicting-payload mark must commit)."""
+
+    status: str
+    version: int
+    pk: int | None = None
+    parent: Parent | None = None
+    prompt_is_delta: bool = False
+    deferred: LedgerError | None = None
+
+
+# --------------------------------------------------------------------------- steps
+
+
+def refuse_if_closed(rollout_id: str, state: str, what: str) -> None:
+    if state == "retired":
+        raise RolloutRetired(
+            f"token capture for rollout {rollout_id} is retired; {what} refused",
+            rollout_id=rollout_id,
+        )
+    if state == "frozen":
+        raise RolloutFrozen(
+            f"token capture for rollout {rollout_id} is already frozen; {what} refused",
+            rollout_id=rollout_id,
+        )
+
+
+def begin_call_steps(
+    rollout_id: str, model_call_id: str, route: str | None, model: str, now: Any
+) -> Steps:
+    """Register a call before dispatch; True when it was new (refused after freeze/retire)."""
+    rows = yield ("rollout_state", (rollout_id,))
+    if not rows:
+        yield ("rollout_create", (rollout_id, False, now, now))
+        rows = yield ("rollout_state", (rollout_id,))
+    refuse_if_closed(rollout_id, rows[0][0], "begin_call")
+    rows = yield ("intent_insert", (rollout_id, model_call_id, route, model, now, False))
+    return bool(rows)
+
+
+def put_steps(
+    prep: Prepared,
+    *,
+    route: str | None,
+    request_fingerprint: str,
+    continuation_fingerprint: str,
+    delta_records: bool,
+    now: Any,
+) -> Steps:
+    """Commit one record with its proven lineage edge (design §4.1-4.3, §5.3)."""
+    e = prep.entry
+    rid, cid = e.rollout_id, e.model_call_id
+    locked = yield ("rollout_lock", (rid,))
+    rows = (yield ("rollout_and_call", (cid, rid))) if locked else []
+    if not rows:  # no rollout row yet: create it, then lock it before reading the call
+        yield ("rollout_create", (rid, False, now, now))
+        yield ("rollout_lock", (rid,))
+        rows = yield ("rollout_and_call", (cid, rid))
+    state, version, call_pk, status, stored_digest = rows[0]
+    if state != "retired" and call_pk is not None and status == "captured":
+        if stored_digest == prep.digest:
+            return Outcome("duplicate", int(version))
+        if state == "open":
+            detail = f"model call id {cid!r} was reused with a different payload"
+            yield ("incomplete_insert", (rid, cid, "conflicting_payload", detail[:4000], now))
+            rows = yield ("bump_incomplete", (now, True, rid))
+            # Commit the incomplete mark, then refuse: the first record stays.
+            return Outcome(
+                "refused",
+                int(rows[0][0]),
+                deferred=PayloadConflict(
+                    f"model call id {cid!r} was reused with a different payload for rollout "
+                    f"{rid!r}; the first record is kept and the rollout is marked incomplete",
+                    rollout_id=rid,
+                ),
+            )
+    refuse_if_closed(rid, state, f"record for call {cid!r}")
+
+    plen, glen = len(prep.prompt) // 4, len(prep.generation) // 4
+    parent = yield from prove_parent(rid, prep.hasher, plen)
+    stored_prompt, is_delta = prep.prompt, False
+    if parent is not None and delta_records:
+        stored_prompt, is_delta = prep.prompt[parent.cumulative_len * 4 :], True
+    values = (
+        e.model,
+        route,
+        e.response_id,
+        e.schema_version,
+        prep.digest,
+        e.created_at,
+        now,
+        plen,
+        glen,
+        plen + glen,
+        prep.prompt_digest,
+        prep.cumulative_digest,
+        parent.model_call_id if parent else None,
+        is_delta,
+        _json(e.output_items),
+        e.token_item_index,
+        _json(prep.extra or None),
+        request_fingerprint or None,
+        continuation_fingerprint or None,
+    )
+    if call_pk is None:
+        rows = yield ("record_insert", (rid, cid, now, *values))
+        pk = int(rows[0][0])
+    else:
+        pk = int(call_pk)
+        yield ("record_over_intent", (*values, pk))
+    yield (
+        "tokens_insert",
+        (
+            pk,
+            codec.IDS_TAG,
+            prep.lp_codec,
+            len(stored_prompt) // 4,
+            glen,
+            stored_prompt,
+            prep.generation,
+            prep.log_probs,
+            _json(e.routed_experts),
+        ),
+    )
+    if parent is not None:
+        yield (
+            "edge_insert",
+            (rid, pk, parent.pk, parent.method, "verified", parent.cumulative_len, None, None, now),
+        )
+    yield from diagnose_drift(rid, pk, prep.prompt, parent, request_fingerprint, now)
+    rows = yield ("bump", (now, rid))
+    return Outcome("created", int(rows[0][0]), pk, parent, is_delta)
+
+
+def prove_parent(rollout_id: str, hasher: PrefixHasher, prompt_len: int) -> Steps:
+    """The earlier call whose cumulative tokens are the longest prefix of the prompt.
+
+    Candidates come longest first, a batch at a time, each with its stored cumulative digest;
+    the prompt's prefix digest at each candidate length is computed on demand (from the digest
+    cache's tip when the prompt extends one), and the first equal one wins.  Identical retries
+    (same tokens) collapse to the smallest call id.  No token array is read except the winner's
+    generation, checked byte for byte unless this ledger wrote exactly that row's tokens.
+    """
+    upper = prompt_len
+    while True:
+        rows = yield ("parent_candidates", (rollout_id, upper, CANDIDATE_BATCH))
+        if not rows:
+            return None
+        full = len(rows) == CANDIDATE_BATCH
+        if any(r[2] < hasher.base_len for r in rows):
+            # Older than the tip: hash the prefixes below it in one pass, lazily.
+            longer = [r for r in rows if r[2] >= hasher.base_len]
+            if not any(hasher.digest_at(r[2]) == r[3] for r in longer):
+                hasher.prime([r[2] for r in rows])
+        for r in rows:
+            n = r[2]
+            if hasher.digest_at(n) != r[3]:
+                continue
+            tied: Sequence[Any] = [x for x in rows if x[2] == n and x[3] == r[3]]
+            if full and rows[-1][2] == n:
+                tied = yield ("parent_ties", (rollout_id, n, r[3]))
+            return (yield from _verified(hasher, tied))
+        if not full:
+            return None
+        last = rows[-1][2]
+        # Rows at the batch's shortest length may continue past the batch.
+        at_last = yield ("parent_ties", (rollout_id, last, hasher.digest_at(last)))
+        if at_last:
+            return (yield from _verified(hasher, at_last))
+        upper = last - 1
+
+
+def _verified(hasher: PrefixHasher, tied: Sequence[Any]) -> Steps:
+    win = tied[0]
+    pk, n, glen = int(win[0]), int(win[2]), int(win[4])
+    tip = hasher.base
+    seen = tip is not None and tip.pk == pk and tip.digest == win[3] and tip.cumulative_len == n
+    if not seen:
+        rows = yield ("generation_of", (pk,))
+        if not rows or hasher.packed[(n - glen) * 4 : n * 4] != bytes(rows[0][0]):
+            return None
+    method = "identical_retry" if len(tied) > 1 else "token_prefix"
+    return Parent(pk, str(win[1]), n, method)
+
+
+def diagnose_drift(
+    rollout_id: str,
+    child_pk: int,
+    prompt: bytes,
+    parent: Parent | None,
+    request_fingerprint: str,
+    now: Any,
+) -> Steps:
+    """Store a drifted edge when the conversation continues a call the tokens do not extend."""
+    if not request_fingerprint:
+        return None
+    rows = yield ("conversation_parent", (rollout_id, request_fingerprint, child_pk))
+    if not rows:
+        return None
+    conv_pk, conv_cid, conv_len = int(rows[0][0]), str(rows[0][1]), int(rows[0][2])
+    if parent is not None and (conv_pk == parent.pk or parent.cumulative_len == conv_len):
+        return None  # the token parent itself, or an identical retry of it: nothing drifted
+    chain = yield ("ancestry_to_anchor", (rollout_id, conv_cid, rollout_id))
+    cumulative = _rebuild(conv_cid, chain)
+    pos = first_mismatch(prompt, cumulative)
+    kind = "prompt_shorter" if pos * 4 == len(prompt) else "token_mismatch"
+    yield (
+        "edge_insert",
+        (rollout_id, child_pk, conv_pk, "conversation", "drifted", pos, pos, kind, now),
+    )
+    return None
+
+
+def _rebuild(model_call_id: str, chain: Sequence[Any]) -> bytes:
+    """A call's full prompt+generation from its nearest full record, checked by digest."""
+    if not chain or chain[0][1]:
+        raise InvalidRecord(f"call {model_call_id!r} cannot be reconstructed: no full record")
+    buf = bytearray()
+    for r in chain:
+        buf += r[3]
+        buf += r[4]
+    data = bytes(buf)
+    if codec.token_digest(data) != chain[-1][2]:
+        raise InvalidRecord(f"call {model_call_id!r} does not match its cumulative digest")
+    return data
+
+
+def first_mismatch(a: bytes, b: bytes) -> int:
+    """Index of the first differing token between two packed sequences (or the shorter length)."""
+    n = min(len(a), len(b)) // 4
+    lo, hi = 0, n
+    # Binary search on equal prefixes: bytes comparison of slices is C-fast.
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[: mid * 4] == b[: mid * 4]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+# --------------------------------------------------------------------------- drivers
+
+
+_HELD: list[tuple[()]] = [()]
+
+
+def run_sqlite(dbapi_conn: Any, steps: Steps) -> Any:
+    """Drive ``steps`` on a DB-API SQLite connection (``sqlite3`` or SQLAlchemy's aiosqlite
+    adapter), inside the caller's transaction."""
+    cur = dbapi_conn.cursor()
+    try:
+        step = next(steps)
+        while True:
+            name, params = step
+            sql = STATEMENTS[name].sqlite
+            if sql:
+                for observe in OBSERVERS:
+                    observe(sql)
+                cur.execute(sql, params)
+                step = steps.send(cur.fetchall())
+            else:  # a Postgres-only lock: SQLite's transaction already holds the write lock
+                step = steps.send(_HELD)
+    except StopIteration as done:
+        return done.value
+    finally:
+        cur.close()
+
+
+async def run_postgres(conn: Any, steps: Steps) -> Any:
+    """Drive ``steps`` on an asyncpg connection, inside the caller's transaction (each statement
+    prepared once per connection by asyncpg's statement cache)."""
+    try:
+        step = next(steps)
+        while True:
+            name, params = step
+            sql = STATEMENTS[name].postgresql
+            for observe in OBSERVERS:
+                observe(sql)
+            rows = await conn.fetch(sql, *params)
+            step = steps.send(rows)
+    except StopIteration as done:
+        return done.value

@@ -1,0 +1,129 @@
+"""Digest state of each rollout's latest calls, so a continuation hashes only its new tokens.
+
+A token digest is SHA-256 over a domain tag and the packed ids, with no length header, so the
+state after a parent's cumulative tokens, ``.copy()``'d, extends to the digest of any sequence
+that starts with them.  The ledger keeps, per rollout, the packed cumulative tokens and that state
+for its few most recent captured calls (bounded in bytes); a new prompt that starts with one of
+them (a ``bytes.startswith``: one memcmp) hashes only its suffix.  The cache is a hint: the parent
+is still proven in SQL against the stored (length, digest) of every candidate, and a miss only
+costs the full hash.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+from ledger import codec
+
+__all__ = ["PrefixHasher", "Tip", "TipCache"]
+
+
+@dataclass(frozen=True, slots=True)
+class Tip:
+    """A committed call's cumulative tokens (prompt + generation) and the digest state after."""
+
+    pk: int
+    model_call_id: str
+    cumulative: bytes
+    state: Any  # hashlib object positioned after ``cumulative``
+    digest: str
+
+    @property
+    def cumulative_len(self) -> int:
+        return len(self.cumulative) // 4
+
+
+class TipCache:
+    """Per rollout, the last ``per_rollout`` tips; least recently used rollouts go first."""
+
+    def __init__(self, *, max_bytes: int = 64 << 20, per_rollout: int = 4) -> None:
+        self.max_bytes = max_bytes
+        self.per_rollout = per_rollout
+        self._tips: OrderedDict[str, list[Tip]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def base_for(self, rollout_id: str, packed_prompt: bytes) -> Tip | None:
+        """The longest remembered tip the prompt starts with (None: hash from scratch)."""
+        with self._lock:
+            tips = self._tips.get(rollout_id)
+            if not tips:
+                return None
+            self._tips.move_to_end(rollout_id)
+            best: Tip | None = None
+            for tip in tips:
+                if (best is None or len(tip.cumulative) > len(best.cumulative)) and (
+                    packed_prompt.startswith(tip.cumulative)
+                ):
+                    best = tip
+            return best
+
+    def remember(self, rollout_id: str, tip: Tip) -> None:
+        if len(tip.cumulative) > self.max_bytes // 4:
+            return
+        with self._lock:
+            tips = self._tips.setdefault(rollout_id, [])
+            self._tips.move_to_end(rollout_id)
+            tips.append(tip)
+            self._bytes += len(tip.cumulative)
+            while len(tips) > self.per_rollout:
+                self._bytes -= len(tips.pop(0).cumulative)
+            while self._bytes > self.max_bytes and self._tips:
+                _rid, dropped = self._tips.popitem(last=False)
+                self._bytes -= sum(len(t.cumulative) for t in dropped)
+
+    def forget(self, rollout_id: str) -> None:
+        with self._lock:
+            dropped = self._tips.pop(rollout_id, [])
+            self._bytes -= sum(len(t.cumulative) for t in dropped)
+
+
+class PrefixHasher:
+    """Digests of a packed prompt's prefixes, extending a known prefix's state where it can.
+
+    ``base`` (a :class:`Tip` the prompt starts with) makes every prefix at least as long as the
+    tip cost only the tokens beyond it; shorter prefixes (a parent older than the tip) are hashed
+    from the start, all of them in one pass (:meth:`prime`).
+    """
+
+    def __init__(self, packed: bytes, base: Tip | None = None) -> None:
+        self.packed = packed
+        self.base = base
+        self.base_len = base.cumulative_len if base is not None else 0
+        self._base_state: Any = base.state if base is not None else codec.digest_state()
+        self._memo: dict[int, str] = {}
+        if base is not None:
+            self._memo[self.base_len] = base.digest
+
+    def state_at(self, n: int) -> Any:
+        """A fresh hashlib state after the first ``n`` tokens (``n`` >= the base length)."""
+        if n < self.base_len:
+            h = codec.digest_state()
+            h.update(memoryview(self.packed)[: n * 4])
+            return h
+        h = self._base_state.copy()
+        if n > self.base_len:
+            h.update(memoryview(self.packed)[self.base_len * 4 : n * 4])
+        return h
+
+    def digest_at(self, n: int) -> str:
+        digest = self._memo.get(n)
+        if digest is None:
+            digest = self._memo[n] = self.state_at(n).hexdigest()
+        return digest
+
+    def prime(self, lengths: list[int]) -> None:
+        """Compute the digests of every prefix in ``lengths`` below the base in one pass."""
+        todo = sorted({n for n in lengths if n < self.base_len and n not in self._memo})
+        if not todo:
+            return
+        h = codec.digest_state()
+        done = 0
+        view = memoryview(self.packed)
+        for n in todo:
+            h.update(view[done * 4 : n * 4])
+            done = n
+            self._memo[n] = h.copy().hexdigest()
