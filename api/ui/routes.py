@@ -173,7 +173,9 @@ async def rollout(
     decoder: Decoder | None = getattr(request.app.state, "ui_tokenizer", None)
     windows = await AuditViews(led).drift_windows(rollout_id, detail["edges"], context=context)
     detail["drift"] = [_window_json(w, decoder) for w in windows]
-    detail["tokenizer"] = getattr(decoder, "source", None) if decoder is not None else None
+    source = getattr(decoder, "source", None) if decoder is not None else None
+    # The file and its folder (e.g. smollm2/tokenizer.json), not the server's full path.
+    detail["tokenizer"] = "/".join(Path(source).parts[-2:]) if source else None
     return detail
 
 

@@ -138,7 +138,7 @@ function reasonColor(reasons, r) {
 function healthChart(report) {
   const buckets = report.buckets;
   const reasons = Object.keys(report.totals.masked_by_reason);
-  const W = Math.max(640, buckets.length * 16), H = 150, CH = 60, pad = 26;
+  const W = Math.max(1180, buckets.length * 16), H = 150, CH = 60, pad = 26;
   const maxBuild = Math.max(1, ...buckets.map((b) => b.delivered + b.masked + b.failed));
   const maxCalls = Math.max(1, ...buckets.map((b) => b.calls_captured));
   const bw = (W - pad) / buckets.length;
@@ -202,7 +202,7 @@ async function renderHealth(box) {
       stat(t.calls_captured, "calls captured"), stat(t.rollouts_started, "rollouts started"),
       stat(t.delivered, "delivered"), stat(t.masked, "masked"), stat(t.failed, "failed"),
       stat(built ? `${(((t.masked + t.failed) / built) * 100).toFixed(1)}%` : "–", "mask fraction")),
-    healthChart(report),
+    ...healthChart(report),
     h("div", { class: "grid2" },
       h("div", {}, h("h2", {}, "Masked by reason"),
         table(["reason", "rollouts"], reasons.map(([r, n]) => h("tr", {}, h("td", {}, badge(r, "reason")), h("td", {}, n))), { empty: "nothing masked in this window" })),
@@ -235,17 +235,18 @@ function rolloutRow(r) {
 function filtersForm(onApply) {
   const f = state.filters;
   const set = (k) => (e) => { f[k] = e.target.value.trim(); onApply(); };
+  const keep = (k) => (e) => { f[k] = e.target.value.trim(); };  // text: applied on submit
   const sel = (k, label, options) => h("label", {}, label,
     h("select", { name: k, onchange: set(k) }, options.map(([v, t]) => h("option", { value: v, selected: f[k] === v }, t))));
   return h("form", { class: "row", id: "filters", onsubmit: (e) => { e.preventDefault(); onApply(); } },
     sel("state", "state", [["", "any"], ["open", "open"], ["frozen", "frozen"], ["retired", "retired"]]),
     sel("outcome", "latest build", [["", "any"], ["delivered", "delivered"], ["masked", "masked or failed"], ["failed", "failed"], ["none", "not built"]]),
-    h("label", {}, "reason", h("input", { name: "reason", list: "reason-options", value: f.reason, placeholder: "e.g. capture_incomplete", onchange: set("reason") })),
+    h("label", {}, "reason", h("input", { name: "reason", list: "reason-options", value: f.reason, placeholder: "e.g. capture_incomplete", oninput: keep("reason") })),
     h("datalist", { id: "reason-options" }),
-    h("label", {}, "consumer", h("input", { name: "consumer", list: "consumer-options", value: f.consumer, onchange: set("consumer") })),
+    h("label", {}, "consumer", h("input", { name: "consumer", list: "consumer-options", value: f.consumer, oninput: keep("consumer") })),
     h("datalist", { id: "consumer-options" }),
     sel("window", "changed", [["", "any time"], ["1h", "last hour"], ["24h", "last 24 h"], ["7d", "last 7 days"], ["30d", "last 30 days"]]),
-    h("label", {}, "id starts with", h("input", { name: "id_prefix", value: f.id_prefix, onchange: set("id_prefix") })),
+    h("label", {}, "id starts with", h("input", { name: "id_prefix", value: f.id_prefix, oninput: keep("id_prefix") })),
     h("button", { type: "submit" }, "Filter"));
 }
 
@@ -260,9 +261,12 @@ async function renderList(box) {
   const more = h("button", { type: "button", id: "more", class: "link" }, "more…");
   const status = h("p", { class: "muted", id: "list-status" });
   let cursor = null;
+  let generation = 0;  // a newer load (filters changed) supersedes one still in flight
   const load = async (reset) => {
-    if (reset) { body.replaceChildren(); cursor = null; }
-    const page = await api(`/ui/api/rollouts?${query({ ...state.filters, cursor, limit: 50 })}`);
+    const mine = reset ? ++generation : generation;
+    const page = await api(`/ui/api/rollouts?${query({ ...state.filters, cursor: reset ? null : cursor, limit: 50 })}`);
+    if (mine !== generation) return;
+    if (reset) body.replaceChildren();
     body.append(...page.items.map(rolloutRow));
     cursor = page.next_cursor;
     more.hidden = !cursor;
@@ -313,7 +317,8 @@ function callGraph(detail, onSelect) {
   const { depth, order, byDepth } = layoutGraph(calls, edges);
   const NW = 190, NH = 46, GX = 40, GY = 70, M = 16;
   const cols = Math.max(...byDepth.map((l) => l.length));
-  const W = M * 2 + cols * NW + (cols - 1) * GX, H = M * 2 + byDepth.length * NH + (byDepth.length - 1) * GY;
+  // Extra room on the right for the edge labels of the last column.
+  const W = M * 2 + cols * NW + (cols - 1) * GX + 190, H = M * 2 + byDepth.length * NH + (byDepth.length - 1) * GY;
   const pos = (id) => ({ x: M + order[id] * (NW + GX), y: M + depth[id] * (NH + GY) });
   const svg = s("svg", { width: W, height: H, role: "img", "aria-label": "calls and lineage edges" });
   svg.append(s("defs", {}, ["verified", "drifted", "ambiguous"].map((k) =>
@@ -344,9 +349,14 @@ function callGraph(detail, onSelect) {
   return h("div", { class: "graph", id: "call-graph" }, svg);
 }
 
+// Whitespace made visible, so a token that is only a space or a newline can be seen.
+function visible(text) {
+  return text.replace(/ /g, "\u00b7").replace(/\n/g, "\u21b5").replace(/\t/g, "\u2192") || "\u2205";
+}
+
 function tokenChips(tokens, firstIndex) {
   return tokens.map((t, i) => h("span", { class: `tok${i === firstIndex ? " first" : ""}`, title: `id ${t.id}` },
-    t.text !== undefined ? JSON.stringify(t.text).slice(1, -1) : String(t.id),
+    t.text !== undefined ? visible(t.text) : String(t.id),
     t.text !== undefined ? h("small", {}, t.id) : null));
 }
 
