@@ -82,6 +82,8 @@ async def test_a_masked_drifted_rollout_is_listed_with_its_reason_and_cause(
 
     assert masked in await ids(reason="upstream_error")
     assert good not in await ids(reason="upstream_error")
+    assert good in await ids(reason="retry_not_kept")  # a quarantine reason
+    assert masked not in await ids(reason="retry_not_kept")
     assert masked in await ids(reason=mask_reasons[0])
     assert masked not in await ids(reason="missing_token_ids")
     assert masked in await ids(outcome="masked", window="1h")
@@ -97,7 +99,7 @@ async def test_a_masked_drifted_rollout_is_listed_with_its_reason_and_cause(
     t0, t1 = before["totals"], after["totals"]
     assert t1["delivered"] - t0["delivered"] == 1
     assert t1["masked"] - t0["masked"] == 1
-    assert t1["calls_captured"] - t0["calls_captured"] == 4
+    assert t1["calls_captured"] - t0["calls_captured"] == 5
     assert t1["rollouts_started"] - t0["rollouts_started"] == 2
     for reason in mask_reasons:
         grown = t1["masked_by_reason"].get(reason, 0) - t0["masked_by_reason"].get(reason, 0)
@@ -149,6 +151,9 @@ async def test_the_rollout_view_shows_calls_edges_drift_and_receipts(
     await seed_delivered(ledger, good)
     d = await get(client, f"/ui/api/rollouts/{good}")
     assert [(e["method"], e["status"]) for e in d["edges"]] == [("token_prefix", "verified")]
+    [q] = d["quarantines"]
+    assert (q["model_call_id"], q["reason"]) == ("c0-abandoned", "retry_not_kept")
+    assert q["delivery_id"] == d["deliveries"][0]["id"]
     [delivery] = d["deliveries"]
     assert delivery["outcome"] == "delivered"
     for receipt in ("built_at", "handed_off_at", "durable_ack_at", "retired_at"):

@@ -102,9 +102,12 @@ async def seed_masked_drift(
 
 
 async def seed_delivered(ledger: Ledger, rollout_id: str, *, consumer: str = "trainer-ui") -> None:
-    """A two-call tool loop whose second prompt extends the first: delivered, acknowledged
-    durable and retired (so its delivery carries every receipt)."""
+    """A two-call tool loop whose second prompt extends the first, after an abandoned retry of
+    the first call (quarantined as ``retry_not_kept``): delivered, acknowledged durable and
+    retired, so its delivery carries every receipt."""
     gen1 = [2201, 2202, 2203]
+    await ledger.begin_call(rollout_id, "c0-abandoned")
+    await ledger.put(record(rollout_id, "c0-abandoned", SYSTEM, [2251, 2252], 0.5))
     await ledger.begin_call(rollout_id, "c0")
     await ledger.put(record(rollout_id, "c0", SYSTEM, gen1, 1.0))
     await ledger.begin_call(rollout_id, "c1")

@@ -192,7 +192,7 @@ async function renderHealth(box) {
   const report = await api(`/ui/api/health?window=${state.window}`);
   const t = report.totals;
   const built = t.delivered + t.masked + t.failed;
-  const windowSel = h("select", { id: "health-window", onchange: (e) => { state.window = e.target.value; renderHealth(box); } },
+  const windowSel = h("select", { id: "health-window", onchange: (e) => { state.window = e.target.value; guarded(() => renderHealth(box)); } },
     ["1h", "6h", "24h", "7d", "30d"].map((w) => h("option", { value: w, selected: w === state.window }, `last ${w}`)));
   const reasons = Object.entries(t.masked_by_reason);
   const causes = Object.entries(report.incomplete_by_reason);
