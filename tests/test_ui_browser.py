@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -139,10 +140,12 @@ def test_the_page_lists_a_masked_rollout_opens_it_and_shows_the_drift(
     call_ids = [c["model_call_id"] for c in detail["calls"]]
     assert len(call_ids) == 2
 
+    neighbour = rid("tools")
+
     async def delivered_neighbour() -> None:
         led = Ledger(stack.db_url)
         try:
-            await seed_delivered(led, rid("tools"), consumer="grpo-trainer")
+            await seed_delivered(led, neighbour, consumer="grpo-trainer")
         finally:
             await led.close()
 
@@ -198,6 +201,16 @@ def test_the_page_lists_a_masked_rollout_opens_it_and_shows_the_drift(
             # The token survives a reload in this tab.
             page.reload()
             expect(page.locator("#rollout-id")).to_have_text(r)
+
+            # The delivered neighbour: its quarantined retry and every delivery receipt.
+            page.goto(f"{stack.url}/ui#/rollout/{neighbour}")
+            expect(page.locator("#quarantines")).to_contain_text("retry_not_kept")
+            expect(page.locator("#quarantines")).to_contain_text("c0-abandoned")
+            receipt = page.locator("#deliveries tbody tr").first
+            expect(receipt).to_contain_text("delivered")
+            cells = receipt.locator("td")  # ... built, handed off, durable ack, retired, ...
+            for i in (5, 6, 7, 8):
+                expect(cells.nth(i)).to_have_text(re.compile(r"^\d{4}-\d\d-\d\d "))
 
             # /docs renders Swagger UI from the package.
             page.goto(stack.url + "/docs")
