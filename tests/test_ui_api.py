@@ -409,3 +409,20 @@ def test_ui_command_refuses_a_missing_ledger_in_one_line(tmp_path: Path) -> None
         timeout=60,
     )
     assert done.returncode == 2 and "no API tokens are configured" in done.stderr
+
+
+def test_every_static_file_ships_in_the_wheel() -> None:
+    """The page is served from package data: each file under api/ui/static must be declared."""
+    import fnmatch
+    import tomllib
+
+    from api.ui.routes import STATIC
+
+    root = Path(__file__).resolve().parent.parent
+    declared = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"][
+        "package-data"
+    ]["api.ui"]
+    files = sorted(p.name for p in STATIC.iterdir() if p.is_file())
+    assert {"index.html", "app.js", "app.css"} <= set(files)
+    for name in files:
+        assert any(fnmatch.fnmatch(f"static/{name}", g) for g in declared), name
