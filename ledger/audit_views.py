@@ -140,12 +140,12 @@ class AuditViews:
             epoch = sa.cast(sa.func.strftime(sa.literal_column("'%s'"), column), sa.BigInteger)
         return (epoch - start) // width
 
-    def _latest_build(self) -> Any:
-        return (
-            sa.select(D.c.rollout_id, sa.func.max(D.c.id).label("did"))
-            .group_by(D.c.rollout_id)
-            .subquery("latest")
-        )
+    def _latest_build(self, since: datetime | None = None) -> Any:
+        """Each rollout's latest build (only among builds since ``since`` when given)."""
+        q = sa.select(D.c.rollout_id, sa.func.max(D.c.id).label("did"))
+        if since is not None:
+            q = q.where(D.c.built_at >= since)
+        return q.group_by(D.c.rollout_id).subquery("latest")
 
     async def health(
         self, *, since: datetime, until: datetime | None = None, buckets: int = 48
@@ -182,7 +182,7 @@ class AuditViews:
             .where(R.c.created_at >= since, R.c.created_at <= until)
             .group_by(roll_b)
         )
-        latest = self._latest_build()
+        latest = self._latest_build(since)  # the window ends now: latest there is latest
         build_b = self._bucket_of(D.c.built_at, first, bucket_s).label("b")
         build_q = (
             sa.select(build_b, D.c.outcome, D.c.mask_reasons, D.c.consumer, sa.func.count())

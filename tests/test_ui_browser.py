@@ -220,3 +220,16 @@ def test_the_page_lists_a_masked_rollout_opens_it_and_shows_the_drift(
     outside = [u for u in requested if not u.startswith((stack.url + "/", "data:"))]
     assert outside == [], outside
     assert any(u.startswith(stack.url + "/ui/api/rollouts/") for u in requested)
+
+
+def test_a_missing_chromium_skips_locally_and_fails_under_ci(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.delenv("ROLLOUT_LEDGER_CHROMIUM", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))  # nothing on it
+    monkeypatch.delenv("CI", raising=False)
+    with pytest.raises(pytest.skip.Exception, match="BROWSER TEST NOT RUN: no `chromium`"):
+        chromium_path()
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match="BROWSER TEST NOT RUN: no `chromium`"):
+        chromium_path()

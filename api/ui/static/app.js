@@ -405,7 +405,8 @@ async function renderRollout(main, rolloutId) {
       h("td", {}, c.prompt_len ?? "", c.prompt_is_delta ? h("span", { class: "muted" }, " (delta)") : null),
       h("td", {}, c.generation_len ?? ""),
       h("td", {}, c.cumulative_len ?? ""),
-      h("td", {}, (proof[c.model_call_id] || []).map((e) => h("div", {},
+      h("td", {}, c.status === "captured" && !proof[c.model_call_id] ? h("span", { class: "muted" }, "root (no earlier call's tokens prefix its prompt)") : null,
+        (proof[c.model_call_id] || []).map((e) => h("div", {},
         h("span", { class: "mono" }, e.parent), " ", badge(e.method, e.status), " ", badge(e.status),
         e.status === "drifted" ? ` @ ${e.mismatch_pos}` : ""))),
       h("td", { class: "mono" }, fmtTime(c.recorded_at || c.registered_at)))), { empty: "no calls" });
