@@ -123,6 +123,9 @@ def create_app(
         version="0.1.0",
         summary="Capture proxy and SQL ledger for exact training tokens.",
         lifespan=lifespan,
+        # /docs is served offline by api.ui (FastAPI's default loads Swagger UI from a CDN).
+        docs_url=None,
+        redoc_url=None,
     )
     app.state.settings = settings
     app.state.metrics = Metrics()
@@ -161,6 +164,9 @@ def create_app(
         )
 
     from api.proxy import install_proxy
+    from api.ui import install as install_ui
+
+    install_ui(app)  # the audit page at /ui and /docs, before the proxy's catch-all route
 
     install_proxy(app, settings)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)

@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 
+from api.ui.cli import register as _register_ui
 from ledger.cli import app
 from ledger.cli_ops import err
 from ledger.config import ConfigError, load_settings
@@ -112,6 +113,7 @@ def _register(app: typer.Typer) -> None:
 
 
 _register(app)
+_register_ui(app)
 
 
 def main() -> None:  # pragma: no cover - console entry point

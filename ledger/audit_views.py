@@ -1,0 +1,411 @@
+"""Read-side views for the audit web page (``/ui``): run health over time, a filterable list of
+rollouts, and the token window around a drifted lineage edge.
+
+These are read-only queries over the same tables as ``ledger.store.Audit`` (whose
+``rollout_detail`` the page reuses); they live apart so the store module stays about writes.
+Every query here reads through the ledger's read-only connection and touches either one
+rollout or an indexed time window.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from typing import Any, cast
+
+import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import JSONB
+
+from ledger.errors import InvalidInput, LedgerError
+from ledger.ids import validate_rollout_id
+from ledger.store import Ledger
+from ledger.tables import Call, Delivery, IncompleteEvent, LineageEdge, QuarantineRow, Rollout
+
+__all__ = [
+    "OUTCOME_FILTERS",
+    "AuditViews",
+    "DriftWindow",
+    "HealthBucket",
+    "HealthReport",
+    "RolloutPage",
+    "RolloutRow",
+]
+
+R = cast(sa.Table, Rollout.__table__)
+C = cast(sa.Table, Call.__table__)
+E = cast(sa.Table, LineageEdge.__table__)
+Q = cast(sa.Table, QuarantineRow.__table__)
+IE = cast(sa.Table, IncompleteEvent.__table__)
+D = cast(sa.Table, Delivery.__table__)
+
+# ``none``: never built.  ``masked`` covers failed builds too (both are masked from the loss).
+OUTCOME_FILTERS = ("delivered", "masked", "failed", "none")
+MAX_BUCKETS = 500
+
+
+@dataclass
+class HealthBucket:
+    """What happened in one time bucket (builds counted by their latest build per rollout)."""
+
+    start: datetime
+    calls_captured: int = 0
+    rollouts_started: int = 0
+    delivered: int = 0
+    masked: int = 0
+    failed: int = 0
+    masked_by_reason: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class HealthReport:
+    since: datetime
+    until: datetime
+    bucket_s: int
+    buckets: list[HealthBucket]
+    totals: HealthBucket
+    incomplete_by_reason: dict[str, int]
+    consumers: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutRow:
+    rollout_id: str
+    state: str
+    incomplete: bool
+    version: int
+    n_calls: int
+    created_at: datetime
+    updated_at: datetime
+    outcome: str | None
+    mask_reasons: list[str]
+    causes: list[str]
+    consumer: str | None
+    built_at: datetime | None
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutPage:
+    items: list[RolloutRow]
+    next_cursor: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class DriftWindow:
+    """The tokens on both sides of a drifted edge's first mismatch.
+
+    ``shared`` are the last tokens both sequences agree on (ending at ``position``);
+    ``parent_next`` continues the parent's prompt + generation from ``position``, and
+    ``child_next`` the child's prompt.  ``unavailable`` says why there are no tokens (the
+    rollout was retired and its payloads deleted, or a record cannot be reconstructed).
+    """
+
+    child: str
+    parent: str
+    position: int
+    kind: str | None
+    shared_start: int = 0
+    shared: list[int] = field(default_factory=list)
+    parent_next: list[int] = field(default_factory=list)
+    child_next: list[int] = field(default_factory=list)
+    unavailable: str | None = None
+
+
+def _utc(value: datetime) -> datetime:
+    """Aware UTC (SQLite hands back naive datetimes; every stored time is UTC)."""
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
+
+
+class AuditViews:
+    """Read-only queries behind the audit page."""
+
+    def __init__(self, ledger: Ledger) -> None:
+        self.ledger = ledger
+
+    # ------------------------------------------------------------------ time buckets
+
+    def _bucket_of(self, column: Any, since: datetime, bucket_s: int) -> Any:
+        """SQL for ``floor((column - since) / bucket_s)`` on this ledger's dialect.
+
+        The two integers are inlined (not bound) so that Postgres sees the same expression in
+        the select list and in GROUP BY.
+        """
+        start = sa.literal_column(str(int(since.timestamp())), sa.BigInteger)
+        width = sa.literal_column(str(int(bucket_s)), sa.BigInteger)
+        if self.ledger.dialect == "postgresql":
+            epoch = sa.cast(sa.func.floor(sa.extract("epoch", column)), sa.BigInteger)
+        else:
+            # SQLite stores UTC datetimes as text; strftime('%s') reads them as UTC seconds.
+            epoch = sa.cast(sa.func.strftime(sa.literal_column("'%s'"), column), sa.BigInteger)
+        return (epoch - start) // width
+
+    def _latest_build(self, since: datetime | None = None) -> Any:
+        """Each rollout's latest build (only among builds since ``since`` when given)."""
+        q = sa.select(D.c.rollout_id, sa.func.max(D.c.id).label("did"))
+        if since is not None:
+            q = q.where(D.c.built_at >= since)
+        return q.group_by(D.c.rollout_id).subquery("latest")
+
+    async def health(
+        self, *, since: datetime, until: datetime | None = None, buckets: int = 48
+    ) -> HealthReport:
+        """Calls captured, rollouts started and latest builds (by outcome and mask reason) per
+        time bucket between ``since`` and ``until``."""
+        since = _utc(since)
+        until = _utc(until) if until is not None else datetime.now(UTC)
+        if until <= since:
+            raise InvalidInput("the health window must end after it starts (until > since)")
+        n = max(1, min(buckets, MAX_BUCKETS))
+        bucket_s = max(1, math.ceil((until - since).total_seconds() / n))
+        # Buckets start on whole multiples of bucket_s (epoch seconds), so every time in
+        # [since, until] falls in one, whole seconds included (the SQL truncates to seconds).
+        grid = math.floor(since.timestamp() / bucket_s) * bucket_s
+        first = datetime.fromtimestamp(grid, UTC)
+        n = math.floor((until.timestamp() - grid) / bucket_s) + 1
+        out = [HealthBucket(first + timedelta(seconds=i * bucket_s)) for i in range(n)]
+        totals = HealthBucket(first)
+
+        def slot(index: Any) -> HealthBucket | None:
+            i = int(index)
+            return out[i] if 0 <= i < n else None
+
+        calls_b = self._bucket_of(C.c.recorded_at, first, bucket_s).label("b")
+        calls_q = (
+            sa.select(calls_b, sa.func.count())
+            .where(C.c.status == "captured", C.c.recorded_at >= since, C.c.recorded_at <= until)
+            .group_by(calls_b)
+        )
+        roll_b = self._bucket_of(R.c.created_at, first, bucket_s).label("b")
+        roll_q = (
+            sa.select(roll_b, sa.func.count())
+            .where(R.c.created_at >= since, R.c.created_at <= until)
+            .group_by(roll_b)
+        )
+        latest = self._latest_build(since)  # the window ends now: latest there is latest
+        build_b = self._bucket_of(D.c.built_at, first, bucket_s).label("b")
+        build_q = (
+            sa.select(build_b, D.c.outcome, D.c.mask_reasons, D.c.consumer, sa.func.count())
+            .join(latest, latest.c.did == D.c.id)
+            .where(D.c.built_at >= since, D.c.built_at <= until)
+            .group_by(build_b, D.c.outcome, D.c.mask_reasons, D.c.consumer)
+        )
+        events_q = (
+            sa.select(IE.c.reason, sa.func.count())
+            .where(IE.c.created_at >= since, IE.c.created_at <= until)
+            .group_by(IE.c.reason)
+        )
+        consumers: set[str] = set()
+        async with self.ledger._read() as conn:
+            for b, count in (await conn.execute(calls_q)).all():
+                if (s := slot(b)) is not None:
+                    s.calls_captured += count
+                    totals.calls_captured += count
+            for b, count in (await conn.execute(roll_q)).all():
+                if (s := slot(b)) is not None:
+                    s.rollouts_started += count
+                    totals.rollouts_started += count
+            for b, outcome, reasons, consumer, count in (await conn.execute(build_q)).all():
+                if consumer:
+                    consumers.add(consumer)
+                if (s := slot(b)) is None:
+                    continue
+                for target in (s, totals):
+                    setattr(target, outcome, getattr(target, outcome) + count)
+                    if outcome != "delivered":
+                        for reason in reasons or []:
+                            by = target.masked_by_reason
+                            by[reason] = by.get(reason, 0) + count
+            events = {r: c for r, c in (await conn.execute(events_q)).all()}
+        return HealthReport(
+            since=since,
+            until=until,
+            bucket_s=bucket_s,
+            buckets=out,
+            totals=totals,
+            incomplete_by_reason=dict(sorted(events.items(), key=lambda kv: -kv[1])),
+            consumers=sorted(consumers),
+        )
+
+    # ------------------------------------------------------------------ rollout list
+
+    def _has_mask_reason(self, reason: str) -> Any:
+        if self.ledger.dialect == "postgresql":
+            return sa.type_coerce(D.c.mask_reasons, JSONB).contains([reason])
+        # A reason matches ^[a-z][a-z0-9_]*$, so its JSON string needs no escaping.
+        return sa.func.instr(D.c.mask_reasons, f'"{reason}"') > 0
+
+    async def rollouts(
+        self,
+        *,
+        state: str | None = None,
+        outcome: str | None = None,
+        reason: str | None = None,
+        consumer: str | None = None,
+        since: datetime | None = None,
+        until: datetime | None = None,
+        id_prefix: str | None = None,
+        limit: int = 50,
+        cursor: str | None = None,
+    ) -> RolloutPage:
+        """Rollouts, most recently changed first, filtered by state, latest build outcome, a
+        reason (mask reason, incomplete cause or quarantine reason), consumer and time."""
+        latest = self._latest_build()
+        n_calls = (
+            sa.select(sa.func.count())
+            .where(C.c.rollout_id == R.c.rollout_id, C.c.status == "captured")
+            .scalar_subquery()
+        )
+        q = (
+            sa.select(
+                R.c.rollout_id,
+                R.c.state,
+                R.c.incomplete,
+                R.c.version,
+                R.c.created_at,
+                R.c.updated_at,
+                n_calls.label("n_calls"),
+                D.c.outcome,
+                D.c.mask_reasons,
+                D.c.consumer,
+                D.c.built_at,
+            )
+            .select_from(
+                R.outerjoin(latest, latest.c.rollout_id == R.c.rollout_id).outerjoin(
+                    D, D.c.id == latest.c.did
+                )
+            )
+            .order_by(R.c.updated_at.desc(), R.c.rollout_id.desc())
+        )
+        if state:
+            q = q.where(R.c.state == state)
+        if outcome == "none":
+            q = q.where(D.c.id.is_(None))
+        elif outcome == "masked":
+            q = q.where(D.c.outcome.in_(("masked", "failed")))
+        elif outcome:
+            q = q.where(D.c.outcome == outcome)
+        if reason:
+            q = q.where(
+                sa.or_(
+                    self._has_mask_reason(reason),
+                    sa.exists().where(IE.c.rollout_id == R.c.rollout_id, IE.c.reason == reason),
+                    sa.exists().where(Q.c.rollout_id == R.c.rollout_id, Q.c.reason == reason),
+                )
+            )
+        if consumer is not None and consumer != "":
+            q = q.where(D.c.consumer == consumer)
+        if since is not None:
+            q = q.where(R.c.updated_at >= _utc(since))
+        if until is not None:
+            q = q.where(R.c.updated_at < _utc(until))
+        if id_prefix:
+            q = q.where(R.c.rollout_id.startswith(id_prefix, autoescape=True))
+        if cursor:
+            at, rid = _parse_cursor(cursor)
+            q = q.where(
+                sa.or_(R.c.updated_at < at, sa.and_(R.c.updated_at == at, R.c.rollout_id < rid))
+            )
+        limit = max(1, min(limit, 500))
+        async with self.ledger._read() as conn:
+            rows = (await conn.execute(q.limit(limit + 1))).all()
+            ids = [r.rollout_id for r in rows[:limit]]
+            causes: dict[str, list[str]] = {}
+            if ids:
+                found = await conn.execute(
+                    sa.select(IE.c.rollout_id, IE.c.reason)
+                    .where(IE.c.rollout_id.in_(ids))
+                    .group_by(IE.c.rollout_id, IE.c.reason)
+                    .order_by(IE.c.rollout_id, sa.func.min(IE.c.id))
+                )
+                for rid_, cause in found.all():
+                    causes.setdefault(rid_, []).append(cause)
+        items = [
+            RolloutRow(
+                rollout_id=r.rollout_id,
+                state=r.state,
+                incomplete=bool(r.incomplete),
+                version=r.version,
+                n_calls=r.n_calls,
+                created_at=_utc(r.created_at),
+                updated_at=_utc(r.updated_at),
+                outcome=r.outcome,
+                mask_reasons=list(r.mask_reasons or []),
+                causes=causes.get(r.rollout_id, []),
+                consumer=r.consumer,
+                built_at=_utc(r.built_at) if r.built_at is not None else None,
+            )
+            for r in rows[:limit]
+        ]
+        next_cursor = None
+        if len(rows) > limit:
+            last = items[-1]
+            next_cursor = f"{last.updated_at.isoformat()}|{last.rollout_id}"
+        return RolloutPage(items, next_cursor)
+
+    # ------------------------------------------------------------------ drift
+
+    async def drift_windows(
+        self, rollout_id: str, edges: Sequence[dict[str, Any]], *, context: int = 12
+    ) -> list[DriftWindow]:
+        """For each drifted edge (as ``Audit.rollout_detail`` lists them), the ``context``
+        tokens before the first mismatch and after it on the parent's and the child's side."""
+        validate_rollout_id(rollout_id)
+        out: list[DriftWindow] = []
+        for edge in edges:
+            if edge.get("status") != "drifted" or edge.get("mismatch_pos") is None:
+                continue
+            pos = int(edge["mismatch_pos"])
+            base = DriftWindow(edge["child"], edge["parent"], pos, edge.get("mismatch_kind"))
+            try:
+                parent_seq = await self._cumulative(rollout_id, edge["parent"])
+                child_prompt = await self._prompt(rollout_id, edge["child"])
+            except LedgerError as exc:
+                out.append(_unavailable(base, exc.message))
+                continue
+            start = max(0, pos - context)
+            out.append(
+                DriftWindow(
+                    base.child,
+                    base.parent,
+                    pos,
+                    base.kind,
+                    shared_start=start,
+                    shared=child_prompt[start:pos],
+                    parent_next=parent_seq[pos : pos + context],
+                    child_next=child_prompt[pos : pos + context],
+                )
+            )
+        return out
+
+    async def _cumulative(self, rollout_id: str, call_id: str) -> list[int]:
+        """A call's prompt followed by its generation, rebuilt by the ledger's chain walk."""
+        seq: list[int] = []
+        for link in await self.ledger.load_chain(rollout_id, call_id):
+            seq += link.prompt_suffix
+            seq += link.generation_token_ids
+        return seq
+
+    async def _prompt(self, rollout_id: str, call_id: str) -> list[int]:
+        links = await self.ledger.load_chain(rollout_id, call_id)
+        seq: list[int] = []
+        for link in links[:-1]:
+            seq += link.prompt_suffix
+            seq += link.generation_token_ids
+        return seq + links[-1].prompt_suffix
+
+
+def _unavailable(base: DriftWindow, why: str) -> DriftWindow:
+    return DriftWindow(base.child, base.parent, base.position, base.kind, unavailable=why)
+
+
+def _parse_cursor(cursor: str) -> tuple[datetime, str]:
+    at, sep, rid = cursor.rpartition("|")
+    try:
+        if not sep or not rid:
+            raise ValueError(cursor)
+        return _utc(datetime.fromisoformat(at)), rid
+    except ValueError:
+        raise InvalidInput(
+            f"cursor {cursor!r} is not a next_cursor this API returned; start without one"
+        ) from None
