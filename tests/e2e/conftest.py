@@ -3,7 +3,6 @@ per ledger backend, shared by every test of the session (see ``harness``)."""
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Iterator
 
@@ -26,18 +25,6 @@ from tests.e2e.harness import (
 # Not marked `postgres`: that marker turns a skip into a failure under ROLLOUT_LEDGER_REQUIRE_PG,
 # and this whole tier skips without vLLM.
 BACKENDS = ["sqlite", *(["postgres"] if PG_URL else [])]
-
-
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    here = os.path.dirname(__file__)
-    skip = pytest.mark.skip(
-        reason="real vLLM not configured: run scripts/e2e-vllm.sh (it sets ROLLOUT_LEDGER_VLLM_URL)"
-    )
-    for item in items:
-        if str(item.fspath).startswith(here):
-            item.add_marker(pytest.mark.vllm)
-            if not VLLM_URL:
-                item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

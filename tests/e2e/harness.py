@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import Response
@@ -67,6 +68,15 @@ MODEL = os.environ.get("ROLLOUT_LEDGER_VLLM_MODEL", "smol")
 SUPPLY_PREFIX = os.environ.get("E2E_SUPPLY_PREFIX", "0") == "1"
 # How many tool-using rollouts each framework drives per ledger backend (bounded: 1..8).
 ROLLOUTS_PER_FRAMEWORK = max(1, min(8, int(os.environ.get("E2E_ROLLOUTS_PER_FRAMEWORK", "2"))))
+# Every test module of the tier starts with `pytestmark = E2E_MARKS`.
+E2E_MARKS = [
+    pytest.mark.vllm,
+    pytest.mark.skipif(
+        not VLLM_URL,
+        reason="real vLLM not configured: run scripts/e2e-vllm.sh (it sets "
+        "ROLLOUT_LEDGER_VLLM_URL)",
+    ),
+]
 GENERATING = ("/v1/chat/completions", "/v1/completions")
 HOP_BY_HOP = frozenset(
     {"connection", "keep-alive", "transfer-encoding", "upgrade", "host", "content-length", "te"}

@@ -27,6 +27,7 @@ import pytest
 from tests.e2e.harness import (
     ANSWER_MAX_TOKENS,
     CITIES,
+    E2E_MARKS,
     MODEL,
     REQUEST_TIMEOUT_S,
     ROLLOUTS_PER_FRAMEWORK,
@@ -42,6 +43,8 @@ from tests.e2e.harness import (
     verify,
     weather,
 )
+
+pytestmark = E2E_MARKS
 
 OPENAI_TOOLS: list[Any] = [
     {
