@@ -1,24 +1,27 @@
 #!/usr/bin/env bash
-# End-to-end test against real vLLM (CPU build) serving SmolLM2-135M (issue #6 point 10).
+# End-to-end tier against real vLLM (CPU build) serving SmolLM2-135M (issue #6 point 10,
+# issue #11 points 4-6).
 #
 #   scripts/e2e-vllm.sh                  # everything: install/reuse, serve, test, stop
 #   scripts/e2e-vllm.sh -k anthropic     # extra arguments go to pytest
 #
 # Steps, each timed:
-#   1. scripts/vllm-env.sh              cached vLLM venv      (~1.8 min cold, 0.1 s warm)
-#   2. scripts/smollm2-model.py         cached SmolLM2 model  (~25 s cold, 0.1 s warm)
+#   1. scripts/vllm-env.sh              cached vLLM venv      (~2-4 min cold, 0.1 s warm)
+#   2. scripts/smollm2-model.py         cached SmolLM2 model  (~40 s cold, 0.1 s warm)
 #   3. scripts/vllm-serve.sh            vLLM on 127.0.0.1:$E2E_VLLM_PORT, --enforce-eager by
 #                                       default (~40 s instead of ~1.5-2 min with torch.compile)
 #   4. scripts/vllm-smoke.py            the token-id fields the proxy relies on; also takes the
 #                                       eager server's slow first request (~13 s)
-#   5. pytest -m vllm tests/e2e         ROLLOUT_LEDGER_VLLM_URL set: the tests start
+#   5. pytest tests/e2e                 ROLLOUT_LEDGER_VLLM_URL set: the tests start
 #                                       `rollout-ledger serve` (SQLite file in a temp dir, and
 #                                       Postgres when configured) in front of a recording shim
-#                                       in front of vLLM, drive OpenAI- and Anthropic-SDK
-#                                       conversations through it, collect them, and compare
-#                                       every delivered token and log-prob with vLLM's own.
+#                                       in front of vLLM; the OpenAI and Anthropic SDKs and the
+#                                       agent frameworks (the `e2e` extra) drive rollouts through
+#                                       it; an oracle checks every capture against vLLM's own
+#                                       answers (never model text) and collects them.
 #   6. stop vLLM (only the server this script started, by its pid file), drop the Postgres
-#      database it created, remove its temp dir.
+#      database it created, remove its temp dir.  A per-framework table of delivered fractions
+#      is printed (docs/vllm-e2e.md).
 #
 # Idempotent: caches are reused; every run starts its own vLLM and ledgers and stops them.
 # Exit status: pytest's when it ran (0 = all passed), else 1.  One run at a time (a lock).
@@ -31,12 +34,15 @@
 #   E2E_VLLM_START_TIMEOUT      seconds to wait for vLLM /health   (default 300)
 #   E2E_KEEP_VLLM=1             leave vLLM running afterwards (stop: VLLM_PORT=$E2E_VLLM_PORT
 #                               VLLM_RUN_DIR=<cache>/e2e-run scripts/vllm-stop.sh)
+#   E2E_SUPPLY_PREFIX=1         serve with `supply_prefix_token_ids: true` (prefix supply)
+#   E2E_ROLLOUTS_PER_FRAMEWORK  tool-using rollouts per framework and backend (default 2, max 8)
+#   E2E_REPORT_OUT              also copy the per-rollout report (JSON lines) to this file
 #   ROLLOUT_LEDGER_TEST_PG_URL  also run every test on this Postgres database
 #   E2E_PG_ADMIN_URL            or: create a fresh database on this server for the run and
 #                               drop it afterwards (e.g. postgresql://postgres@127.0.0.1:5432/postgres)
 #   ROLLOUT_LEDGER_CACHE        cache root (default <repo>/.cache), as for the vllm-*.sh scripts
-#   E2E_PYTHON                  the project's Python (default .venv/bin/python; created with
-#                               the test extras if missing, like scripts/test)
+#   E2E_PYTHON                  the project's Python (default .venv/bin/python; created, and
+#                               given the test + e2e extras when they are missing)
 # See docs/vllm-e2e.md.
 set -euo pipefail
 
@@ -104,14 +110,19 @@ PY
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
-# 0. the project's own environment (pytest, the openai and anthropic SDKs)
+# 0. the project's own environment (pytest, the openai and anthropic SDKs, the frameworks)
 if [[ ! -x "$py" ]]; then
-  begin "creating .venv with rollout-ledger[test]"
+  begin "creating .venv"
   "${PYTHON:-python3}" -m venv "$repo_root/.venv"
   py="$repo_root/.venv/bin/python"
-  "$py" -m pip install -q --disable-pip-version-check -e '.[test]' 2>&1 \
-    | grep -v '^WARNING: Location' || true
   record "project venv"
+fi
+if ! "$py" -c 'import pytest, openai, anthropic, agents, langgraph.prebuilt, langchain_openai' \
+  2>/dev/null; then
+  begin "installing rollout-ledger[test,e2e] into $("$py" -c 'import sys; print(sys.prefix)')"
+  "$py" -m pip install -q --disable-pip-version-check -e '.[test,e2e]' 2>&1 \
+    | grep -v '^WARNING: Location' || true
+  record "pip install .[test,e2e]"
 fi
 
 # 1-2. vLLM venv and model (cached)
@@ -158,30 +169,46 @@ else
 fi
 
 # 5. the end-to-end tests
-begin "pytest -m vllm tests/e2e"
+begin "pytest tests/e2e (supply_prefix_token_ids: ${E2E_SUPPLY_PREFIX:-0})"
 report="$work/report.jsonl"
 set +e
 ROLLOUT_LEDGER_VLLM_URL="$url" ROLLOUT_LEDGER_E2E_REPORT="$report" TMPDIR="$work" \
+  E2E_REQUIRE_FRAMEWORKS=1 \
   "$py" -m pytest -q -s -p no:cacheprovider -m vllm --basetemp="$work/pytest" \
-  "$repo_root/tests/e2e/test_vllm_e2e.py" "$@"
+  "$repo_root/tests/e2e" "$@"
 status=$?
 set -e
-record "pytest (e2e conversations)"
+record "pytest (e2e rollouts)"
 
 if [[ -s "$report" ]]; then
-  say "rollouts:"
   "$py" - "$report" >&2 <<'PY'
 import json, sys
-for line in open(sys.argv[1], encoding="utf-8"):
-    r = json.loads(line)
+from collections import defaultdict
+rows = [json.loads(line) for line in open(sys.argv[1], encoding="utf-8")]
+print("[e2e-vllm] rollouts:")
+for r in rows:
     calls = r["calls"]
     reasons = ",".join(r["mask_reasons"]) or "-"
-    secs = sum(c["client_s"] for c in calls)
-    print(f"[e2e-vllm]   {r['backend']:8} {r['name']:22} {r['outcome']:9} "
-          f"mask={reasons:15} calls={len(calls)} chains={len(r['chains'])} "
-          f"generated={sum(c['generated'] for c in calls):3} ids  {secs:5.1f} s")
-    for e in r["edges"]:
-        print(f"[e2e-vllm]       {e}")
+    finish = "/".join(c["finish"] for c in calls)
+    print(f"[e2e-vllm]   {r['backend']:8} {r['name']:24} {r['outcome']:9} mask={reasons:16} "
+          f"calls={len(calls)} tools={r['tool_calls']} drift@{[d['pos'] for d in r['drifts']]} "
+          f"fraction={r['delivered_fraction']} finish={finish} {r['seconds']:5.1f} s "
+          f"{r['stopped_by']}")
+groups = defaultdict(list)
+for r in rows:
+    groups[(r["framework"], r["supply_prefix"])].append(r)
+print("[e2e-vllm] per framework (tool-using = a tool call before the last call; 0 false "
+      "deliveries is asserted by the oracle for every rollout):")
+print(f"[e2e-vllm]   {'framework':22} {'prefix':6} {'rollouts':>8} {'tool-using':>10} "
+      f"{'delivered':>9} {'tool-using delivered':>20} {'mean delivered_fraction':>23}")
+for (fw, prefix), rs in sorted(groups.items()):
+    tool = [r for r in rs if r["tool_using"]]
+    dl = sum(r["outcome"] == "delivered" for r in rs)
+    tdl = sum(r["outcome"] == "delivered" for r in tool)
+    mean = sum(r["delivered_fraction"] or 0 for r in rs) / len(rs)
+    print(f"[e2e-vllm]   {fw:22} {'on' if prefix else 'off':6} {len(rs):8} {len(tool):10} "
+          f"{dl:9} {f'{tdl}/{len(tool)}':>20} {mean:23.2f}")
 PY
+  if [[ -n "${E2E_REPORT_OUT:-}" ]]; then cp -- "$report" "$E2E_REPORT_OUT"; fi
 fi
 exit "$status"
