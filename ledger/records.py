@@ -32,8 +32,17 @@ from enum import StrEnum
 from typing import Any
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
+from ledger import codec
 from ledger.errors import InvalidRecord, UnsupportedSchemaVersion
 from ledger.ids import validate_call_id, validate_rollout_id
 
@@ -113,6 +122,8 @@ class TokenEntry(BaseModel):
     prompt_is_delta: bool = False
     prefix_requested: bool = False
     prefix_supplied: bool = False
+    # Packed ids from validation: field name -> (the list packed, its length, the bytes).
+    _packed: dict[str, tuple[list[int], int, bytes]] = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="before")
     @classmethod
@@ -162,10 +173,13 @@ class TokenEntry(BaseModel):
             )
         for name in ("prompt_token_ids", "generation_token_ids"):
             ids = getattr(self, name)
-            # min/max run in C: a per-token Python loop costs milliseconds on long prompts.
-            if ids and (min(ids) < -(2**31) or max(ids) >= 2**31):
-                bad = min(ids) if min(ids) < -(2**31) else max(ids)
-                raise ValueError(f"{name} holds {bad}, outside the int32 range")
+            # The codec's int32 packing is the range check (one C pass instead of min + max);
+            # the packed bytes are kept for the ledger, which would otherwise pack them again.
+            try:
+                self._packed[name] = (ids, len(ids), codec.pack_ids(ids))
+            except InvalidRecord:
+                bad = next(i for i in ids if not -(2**31) <= i < 2**31)
+                raise ValueError(f"{name} holds {bad}, outside the int32 range") from None
         self._check_lineage()
         return self
 
@@ -185,6 +199,15 @@ class TokenEntry(BaseModel):
             raise ValueError(
                 "prompt_is_delta requires a resolved parent_call_id to reconstruct the prompt from"
             )
+
+    def packed_ids(self, name: str) -> bytes:
+        """``name``'s ids packed as int32 little-endian: the bytes packed while validating, as
+        long as the field still holds that same list (assigning a new list repacks)."""
+        ids = getattr(self, name)
+        kept = self._packed.get(name)
+        if kept is not None and kept[0] is ids and kept[1] == len(ids):
+            return kept[2]
+        return codec.pack_ids(ids)
 
     def extra_fields(self) -> dict[str, Any]:
         """The fields the calls table has no column for: unknown extras and the 0.7.0 lineage

@@ -1006,12 +1006,13 @@ class _GroupCommit:
     One writer thread owns a synchronous SQLite connection.  It takes every write queued while
     the previous commit was in flight, runs them in one ``BEGIN IMMEDIATE`` transaction, commits
     once (one fsync under ``synchronous=FULL``) and only then acknowledges each caller on its
-    event loop.  A write that raises before changing anything (a refusal) just fails; one that
-    raises after changing rows rolls the batch back, which then runs again with one SAVEPOINT
-    per write, so a failing write never takes another's changes with it; a failed commit fails
-    every write of the batch.  Nothing is
-    acknowledged before its commit.  The thread also keeps SQL off the event loop, one hand-off
-    per batch instead of one per statement.
+    event loop.  Writes that need no flush of their own (intents: the call's flushed record
+    makes them durable) go first, in their own commit without a flush.  A write that raises
+    before changing anything (a refusal) just fails; one that raises after changing rows rolls
+    the batch back, which then runs again with one SAVEPOINT per write, so a failing write never
+    takes another's changes with it; a failed commit fails every write of the batch.  Nothing
+    is acknowledged before its commit.  The thread also keeps SQL off the event loop, one
+    hand-off per batch instead of one per statement.
     """
 
     MAX_BATCH = 256
@@ -1074,15 +1075,25 @@ class _GroupCommit:
                 return
 
     def _commit(self, batch: list[_Job]) -> None:
-        """Run the batch in one transaction without savepoints; a write that fails after it
-        changed something makes the whole batch roll back and run again with one savepoint per
-        write (so each write still succeeds or fails alone)."""
+        """Commit the batch: first the writes that need no flush of their own (intents), so
+        they never wait for another write's flush, then the rest with one flush."""
+        lazy = [job for job in batch if not job[3]]
+        if lazy and len(lazy) < len(batch):
+            self._commit_one(lazy, flush=False)
+            self._commit_one([job for job in batch if job[3]], flush=True)
+        else:
+            self._commit_one(batch, flush=not lazy)
+
+    def _commit_one(self, batch: list[_Job], *, flush: bool) -> None:
+        """Run the jobs in one transaction without savepoints; a write that fails after it
+        changed something makes the whole transaction roll back and run again with one savepoint
+        per write (so each write still succeeds or fails alone)."""
         assert self._engine is not None
         outcomes: list[tuple[_Job, Any, BaseException | None]] = []
         try:
             with self._engine.connect() as conn:
                 dbapi: Any = conn.connection.dbapi_connection
-                self._synchronous(dbapi, any(job[3] for job in batch))
+                self._synchronous(dbapi, flush)
                 with conn.begin():
                     self._run_batch(conn, dbapi, batch, outcomes)
         except _Replay:

@@ -98,8 +98,8 @@ class Prepared:
 def prepare(entry: TokenEntry, tips: TipCache | None = None) -> Prepared:
     """Pack and hash a record: the prompt's digest extends the longest remembered tip it starts
     with, so a continuation hashes only its new tokens (pure CPU; may run in a worker thread)."""
-    prompt = codec.pack_ids(entry.prompt_token_ids)
-    generation = codec.pack_ids(entry.generation_token_ids)
+    prompt = entry.packed_ids("prompt_token_ids")
+    generation = entry.packed_ids("generation_token_ids")
     lp_codec, log_probs = codec.pack_log_probs(entry.generation_log_probs)
     base = tips.base_for(entry.rollout_id, prompt) if tips is not None else None
     hasher = PrefixHasher(prompt, base)
