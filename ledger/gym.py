@@ -19,6 +19,8 @@ They satisfy the protocols of the released nemo-gym 0.7.0 (``TokenSink``, ``Toke
 - ``CaptureLineageStore.resolve(rollout_id, request_items)`` answers 0.7.0's ``LineageResolution``
   (``ledger.gym_lineage``); ``resolve_prompt(rollout_id, prompt_token_ids)`` is the ledger's own
   token-prefix lookup (what the ``/lineage/resolve`` route serves).
+- ``CaptureLineageStore`` is also 0.7.0's ``CaptureLedger`` for external staging (``record``,
+  ``record_failure``, ``manifest``, ``has_rows``: token-free custody rows, ``ledger.custody``).
 """
 
 from __future__ import annotations
