@@ -263,6 +263,29 @@ class ResolveRequestOut(BaseModel):
     token_encoding: TokenEncoding
 
 
+class CustodyRecordBody(BaseModel):
+    """NeMo Gym 0.7.0 ``CaptureLedger.record``: one ``CaptureLedgerCommit`` as JSON."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    commit: dict[str, Any]
+
+
+class CustodyRecordOut(BaseModel):
+    created: bool
+
+
+class CustodyFailureBody(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model_call_id: Text = Field(min_length=1, max_length=200)
+    reason: Text = Field(min_length=1, max_length=200)
+
+
+class HasRowsOut(BaseModel):
+    has_rows: bool
+
+
 class SnapshotOut(BaseModel):
     rollout_id: str
     entries: list[dict[str, Any]]
@@ -524,6 +547,72 @@ async def resolve_request(
     if match is not None and body.token_encoding == "packed-v1":
         match["cumulative_token_ids"] = pack_b64_ids(match["cumulative_token_ids"])
     return ResolveRequestOut(**data, token_encoding=body.token_encoding)
+
+
+@router.post(
+    "/rollouts/{rollout_id}/custody/records",
+    response_model=CustodyRecordOut,
+    status_code=201,
+    tags=["ingest"],
+    dependencies=[Depends(require("ingest"))],
+    responses={
+        200: {"model": CustodyRecordOut, "description": "Identical repeat: nothing changed."},
+        409: {"description": "This call id was recorded with different data."},
+    },
+)
+async def custody_record(
+    rollout_id: RolloutId, body: CustodyRecordBody, led: LedgerDep, response: Response
+) -> CustodyRecordOut:
+    """NeMo Gym 0.7.0 ``CaptureLedger.record``: publish an externally staged call."""
+    from ledger import custody
+
+    if body.commit.get("rollout_id") not in (None, rollout_id):
+        raise InvalidInput(f"commit.rollout_id does not match the path ({rollout_id!r})")
+    created = await custody.record(led, {**body.commit, "rollout_id": rollout_id})
+    if not created:
+        response.status_code = 200
+    return CustodyRecordOut(created=created)
+
+
+@router.post(
+    "/rollouts/{rollout_id}/custody/failures",
+    status_code=204,
+    tags=["ingest"],
+    dependencies=[Depends(require("ingest"))],
+)
+async def custody_record_failure(
+    rollout_id: RolloutId, body: CustodyFailureBody, led: LedgerDep
+) -> Response:
+    """NeMo Gym 0.7.0 ``CaptureLedger.record_failure``: a poison row for a call."""
+    from ledger import custody
+
+    await custody.record_failure(led, rollout_id, body.model_call_id, body.reason)
+    return Response(status_code=204)
+
+
+@router.get(
+    "/rollouts/{rollout_id}/custody/manifest",
+    tags=["ingest"],
+    dependencies=[Depends(require("ingest"))],
+)
+async def custody_manifest(rollout_id: RolloutId, led: LedgerDep) -> dict[str, Any]:
+    """NeMo Gym 0.7.0 ``CaptureLedger.manifest``: the token-free ``RolloutManifest``."""
+    from ledger import custody
+
+    return await custody.manifest(led, rollout_id)
+
+
+@router.get(
+    "/rollouts/{rollout_id}/custody/has-rows",
+    response_model=HasRowsOut,
+    tags=["ingest"],
+    dependencies=[Depends(require("ingest"))],
+)
+async def custody_has_rows(rollout_id: RolloutId, led: LedgerDep) -> HasRowsOut:
+    """NeMo Gym 0.7.0 ``CaptureLedger.has_rows``."""
+    from ledger import custody
+
+    return HasRowsOut(has_rows=await custody.has_rows(led, rollout_id))
 
 
 # --------------------------------------------------------------------------- trainer

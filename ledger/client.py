@@ -186,6 +186,37 @@ class RemoteLedger:
             )
         return GymResolution.from_json(data)
 
+    async def custody_record(self, commit: Any) -> bool:
+        """NeMo Gym 0.7.0 ``CaptureLedger.record`` on the service (``ledger.custody``)."""
+        dump = getattr(commit, "model_dump", None)
+        data = dump(mode="json") if callable(dump) else dict(commit)
+        if not isinstance(data.get("rollout_id"), str) or not data["rollout_id"]:
+            raise InvalidInput("a capture-ledger commit needs its rollout_id")
+        resp = await self._call(
+            "POST", f"/rollouts/{data.get('rollout_id')}/custody/records", json={"commit": data}
+        )
+        return bool(resp.json()["created"])
+
+    async def custody_record_failure(
+        self, rollout_id: str, model_call_id: str, reason: str
+    ) -> None:
+        await self._call(
+            "POST",
+            f"/rollouts/{rollout_id}/custody/failures",
+            json={"model_call_id": model_call_id, "reason": reason},
+            ok=(204,),
+        )
+
+    async def custody_manifest(self, rollout_id: str) -> dict[str, Any]:
+        data: dict[str, Any] = (
+            await self._call("GET", f"/rollouts/{rollout_id}/custody/manifest")
+        ).json()
+        return data
+
+    async def custody_has_rows(self, rollout_id: str) -> bool:
+        data = (await self._call("GET", f"/rollouts/{rollout_id}/custody/has-rows")).json()
+        return bool(data["has_rows"])
+
     # ------------------------------------------------------------------ trainer
 
     async def freeze(self, rollout_id: str) -> FrozenSnapshot:

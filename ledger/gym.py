@@ -19,6 +19,8 @@ They satisfy the protocols of the released nemo-gym 0.7.0 (``TokenSink``, ``Toke
 - ``CaptureLineageStore.resolve(rollout_id, request_items)`` answers 0.7.0's ``LineageResolution``
   (``ledger.gym_lineage``); ``resolve_prompt(rollout_id, prompt_token_ids)`` is the ledger's own
   token-prefix lookup (what the ``/lineage/resolve`` route serves).
+- ``CaptureLineageStore`` is also 0.7.0's ``CaptureLedger`` for external staging (``record``,
+  ``record_failure``, ``manifest``, ``has_rows``: token-free custody rows, ``ledger.custody``).
 """
 
 from __future__ import annotations
@@ -129,7 +131,9 @@ class CaptureSource(_Client):
 
 
 class CaptureLineageStore(_Client):
-    """Gym ``LineageResolver`` over every committed record (shared by every worker)."""
+    """Gym ``LineageResolver`` over every committed record (shared by every worker), and Gym's
+    ``CaptureLedger`` for external staging (``record``, ``record_failure``, ``manifest``,
+    ``has_rows``)."""
 
     async def resolve(self, rollout_id: str, request_items: Sequence[Any]) -> LineageResolution:
         """0.7.0's parent decision for a request's unmodified items (``ledger.gym_lineage``)."""
@@ -139,8 +143,7 @@ class CaptureLineageStore(_Client):
         else:
             from ledger.gym_store import resolve_request
 
-            assert isinstance(self._backend, Ledger)
-            resolution = await resolve_request(self._backend, rollout_id, list(request_items))
+            resolution = await resolve_request(self._local(), rollout_id, list(request_items))
         return in_gym_terms(resolution)
 
     async def resolve_prompt(
@@ -152,3 +155,48 @@ class CaptureLineageStore(_Client):
     def is_process_shared(self) -> bool:
         """Every worker reads the same database: a committed put is visible to all at once."""
         return True
+
+    # -- 0.7.0 ``CaptureLedger`` (external staging: token-free custody rows, ``ledger.custody``)
+
+    async def record(self, commit: Any) -> None:
+        """Publish a staged call (``CaptureLedgerCommit``); write-once per call id."""
+        remote = getattr(self._backend, "custody_record", None)
+        if remote is not None:
+            await remote(commit)
+            return
+        from ledger import custody
+
+        await custody.record(self._local(), commit)
+
+    async def record_failure(self, rollout_id: str, model_call_id: str, reason: str) -> None:
+        """Record a call whose capture did not complete (a poison row, never a parent)."""
+        remote = getattr(self._backend, "custody_record_failure", None)
+        if remote is not None:
+            await remote(rollout_id, model_call_id, reason)
+            return
+        from ledger import custody
+
+        await custody.record_failure(self._local(), rollout_id, model_call_id, reason)
+
+    async def manifest(self, rollout_id: str) -> dict[str, Any]:
+        """The rollout's ``RolloutManifest`` payload: committed records and failures, no tokens."""
+        remote = getattr(self._backend, "custody_manifest", None)
+        if remote is not None:
+            data: dict[str, Any] = await remote(rollout_id)
+            return data
+        from ledger import custody
+
+        return await custody.manifest(self._local(), rollout_id)
+
+    async def has_rows(self, rollout_id: str) -> bool:
+        """Whether any custody row (committed or failed) exists for the rollout."""
+        remote = getattr(self._backend, "custody_has_rows", None)
+        if remote is not None:
+            return bool(await remote(rollout_id))
+        from ledger import custody
+
+        return await custody.has_rows(self._local(), rollout_id)
+
+    def _local(self) -> Ledger:
+        assert isinstance(self._backend, Ledger)
+        return self._backend

@@ -7,6 +7,8 @@ Two named operations over one ``Ledger``, each in one read transaction:
   fingerprint each record was stamped with (kept with the record's extra fields); only the
   winner's tokens are read, through the ledger's own delta chain, and checked against both the
   ledger's cumulative digest and the record's Gym ``digest``.
+  When no token record resolves the request, a ``CaptureLedger`` custody row may
+  (``ledger.custody.custody_match``), as 0.7.0's ``FileLineageStore`` falls back to its rows.
 - ``materialize_delta(ledger, entry)``: a Gym delta record (``prompt_is_delta``, its prompt only
   the suffix after its resolved parent) with its full prompt, so the ledger's token-prefix proof
   at ingest sees the real prompt.  The parent's stored cumulative tokens plus the suffix must
@@ -25,6 +27,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from ledger import codec
+from ledger.custody import custody_match
 from ledger.errors import InvalidRecord, LedgerError
 from ledger.gym_fingerprint import assistant_fingerprint
 from ledger.gym_lineage import LineageCandidate, LineageMatch, LineageResolution, choose_parent
@@ -68,6 +71,10 @@ async def resolve_request(
         except (ValueError, TypeError, AttributeError) as exc:
             return LineageResolution(UNRESOLVED, reason=f"invalid_request_items: {exc}")
         if winner is None:
+            if status == UNRESOLVED:  # a CaptureLedger custody row may still prove the parent
+                match = custody_match(conn, rollout_id, fingerprint, items)
+                if match is not None:
+                    return LineageResolution(ParentResolutionStatus.RESOLVED, match)
             return LineageResolution(status, reason=reason)
         try:
             data = ledger._cumulative_bytes(conn, rollout_id, winner.model_call_id)

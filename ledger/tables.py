@@ -217,3 +217,31 @@ class Delivery(Base):
     handed_off_at: Mapped[datetime | None]
     durable_ack_at: Mapped[datetime | None]
     retired_at: Mapped[datetime | None]
+
+
+class CustodyRow(Base):
+    """NeMo Gym 0.7.0 ``CaptureLedger`` rows: token-free metadata of externally staged calls.
+
+    A committed row (``failure_reason`` empty) is written once per call id and is a lineage
+    candidate under ``fingerprint``; a failure row poisons the rollout and is never a parent.
+    ``row`` holds the custody columns the manifest is rebuilt from; ``row_digest`` identifies it
+    for write-once comparison.
+    """
+
+    __tablename__ = "custody_rows"
+    __table_args__ = (
+        UniqueConstraint("rollout_id", "model_call_id", "failure_reason"),
+        Index(None, "rollout_id", "fingerprint"),
+    )
+
+    id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)
+    rollout_id: Mapped[str] = mapped_column(ForeignKey("rollouts.rollout_id", ondelete="CASCADE"))
+    model_call_id: Mapped[str] = mapped_column(String(200))
+    failure_reason: Mapped[str] = mapped_column(String(200), default="")
+    fingerprint: Mapped[str | None] = mapped_column(String(64))
+    fingerprint_version: Mapped[int | None] = mapped_column(Integer)
+    context_len: Mapped[int] = mapped_column(Integer, default=0)
+    context_digest: Mapped[str | None] = mapped_column(String(64))
+    row: Mapped[dict[str, Any]] = mapped_column(JSON)
+    row_digest: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)

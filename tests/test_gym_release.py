@@ -11,6 +11,7 @@ its ``InMemoryLineageStore`` as the oracle for request-time resolution, and its 
 
 from __future__ import annotations
 
+import contextlib
 import random
 import uuid
 from collections.abc import Callable, Iterator
@@ -55,6 +56,12 @@ def release() -> SimpleNamespace:
 @pytest.fixture
 def service(db_url: str) -> Iterator[Service]:
     yield from _serve(db_url)
+
+
+@contextlib.contextmanager
+def _serving(db_url: str) -> Iterator[str]:
+    for svc in _serve(db_url):
+        yield svc.url
 
 
 # --------------------------------------------------------------------------- the release's kit
@@ -126,8 +133,7 @@ def test_classes_satisfy_the_release_protocols(release: SimpleNamespace, tmp_pat
     assert isinstance(sink, p.TokenSink)
     assert isinstance(source, p.TokenSource)
     assert isinstance(lineage, p.LineageResolver) and lineage.is_process_shared()
-    # Not a CaptureLedger (docs/gym-compatibility.md §6): Gym refuses it for external staging.
-    assert not isinstance(lineage, p.CaptureLedger)
+    assert isinstance(lineage, p.CaptureLedger)  # external staging (docs/gym-compatibility.md §6)
     p.install_token_sink(sink)  # Gym's own check of put/mark_incomplete/close
     p.install_token_sink(None)
 
@@ -663,3 +669,145 @@ async def test_resolution_agrees_with_the_release_in_memory_store(
     finally:
         await sink.close()
         await lineage.close()
+
+
+# --------------------------------------------------------------------------- CaptureLedger
+
+
+def _hex(seed: str) -> str:
+    import hashlib
+
+    return hashlib.sha256(seed.encode()).hexdigest()
+
+
+def _commits(release: SimpleNamespace, rollout_id: str) -> list[Any]:
+    """Two chained staged calls (a text root, a token_in child) and a rewritten-context call."""
+    st = release.staging_records
+    q = [{"role": "user", "content": "Plan the trip."}]
+    a1 = [
+        {
+            "type": "message",
+            "role": "assistant",
+            "content": [{"type": "output_text", "text": "Day 1"}],
+        }
+    ]
+    q2 = [*q, *a1, {"role": "user", "content": "And day 2?"}]
+    a2 = [{"type": "function_call", "call_id": "fc1", "name": "book", "arguments": '{"day": 2}'}]
+
+    def call(call_id: str, parent: str | None, prev: int, delta: int, fv: int) -> Any:
+        return st.CallRecord(
+            model_call_id=call_id,
+            parent_call_id=parent,
+            prev_len=prev,
+            delta_len=delta,
+            cum_len=prev + delta,
+            weight_version=3,
+            digest=_hex(f"d-{call_id}"),
+            extras_digest=_hex("extras"),
+            staging_key=f"{rollout_id}/{call_id}",
+            mode="token_in" if parent else "text",
+            chain_hash=_hex(f"chain-{call_id}"),
+            cumulative_hash=_hex(f"cum-{call_id}"),
+            response_id=f"resp-{call_id}",
+            admitted_at=1767225600.0,
+            fingerprint_version=fv,
+        )
+
+    return [
+        st.CaptureLedgerCommit(
+            rollout_id=rollout_id,
+            record=call("c1", None, 0, 12, 2),
+            request_items=q,
+            response_items=a1,
+        ),
+        st.CaptureLedgerCommit(
+            rollout_id=rollout_id,
+            record=call("c2", "c1", 12, 5, 2),
+            staging_chain=("c1",),
+            request_items=q2,
+            response_items=a2,
+        ),
+        st.CaptureLedgerCommit(  # fingerprint version 0: recorded, never resolvable (as 0.7.0)
+            rollout_id=rollout_id,
+            record=call("c3", None, 0, 4, 0),
+            request_items=[{"role": "user", "content": "Other"}],
+            response_items=a1,
+        ),
+    ]
+
+
+async def _custody_script(release: SimpleNamespace, ledger: Any, rollout_id: str) -> dict[str, Any]:
+    """Drive one CaptureLedger and report everything observable."""
+    out: dict[str, Any] = {"has_rows_before": await ledger.has_rows(rollout_id)}
+    commits = _commits(release, rollout_id)
+    for commit in commits:
+        await ledger.record(commit)
+    await ledger.record(commits[0])  # an identical replay: a no-op
+    changed = commits[1].model_copy(
+        update={"record": commits[1].record.model_copy(update={"weight_version": 4})}
+    )
+    try:
+        await ledger.record(changed)
+        out["conflict"] = "accepted"
+    except Exception:
+        out["conflict"] = "refused"
+    await ledger.record_failure(rollout_id, "c9", "worker_capture_failed")
+    await ledger.record_failure(rollout_id, "c9", "worker_capture_failed")
+    await ledger.record_failure(rollout_id, "c8", "unresolved_parent")
+    out["has_rows"] = await ledger.has_rows(rollout_id)
+    out["manifest"] = await ledger.manifest(rollout_id)
+    c = commits
+    requests = {
+        "continues c1": [*c[1].request_items],
+        "continues c2": [
+            *c[1].request_items,
+            *c[1].response_items,
+            {"type": "function_call_output", "call_id": "fc1", "output": "ok"},
+        ],
+        "rewritten": [{"role": "user", "content": "Plan a trip."}, *c[0].response_items],
+        "continues c3 (v0)": [*c[2].request_items, *c[2].response_items],
+        "root": [{"role": "user", "content": "hi"}],
+    }
+    for name, items in requests.items():
+        res = await ledger.resolve(rollout_id, items)
+        m = res.match
+        out[name] = (
+            res.status.value,
+            None
+            if m is None
+            else (
+                m.model_call_id,
+                tuple(m.cumulative_token_ids),
+                m.digest,
+                tuple(m.staging_chain),
+                m.prev_len,
+                m.chain_hash,
+            ),
+        )
+    return out
+
+
+@pytest.mark.parametrize("transport", ["sql", "http"])
+async def test_capture_ledger_agrees_with_the_release_file_lineage_store(
+    release: SimpleNamespace, db_url: str, tmp_path: Any, rid: Rid, transport: str
+) -> None:
+    r = rid("custody")
+    reference = release.lineage.FileLineageStore(tmp_path / "capture")
+    expected = await _custody_script(release, reference, r)
+    if transport == "sql":
+        ours = await _custody_script(release, CaptureLineageStore(url=db_url), r)
+    else:
+        with _serving(db_url) as url:
+            store = CaptureLineageStore(url=url, token="w-tok")
+            try:
+                ours = await _custody_script(release, store, r)
+            finally:
+                await store.close()
+    assert ours == expected
+    assert expected["continues c2"][0] == "resolved" and expected["conflict"] == "refused"
+    manifest = release.staging_records.RolloutManifest.model_validate(ours["manifest"])
+    assert [x.model_call_id for x in manifest.records] == ["c1", "c2", "c3"]
+    assert [(f.model_call_id, f.reason) for f in manifest.failures] == [
+        ("c9", "worker_capture_failed"),
+        ("c8", "unresolved_parent"),
+    ]

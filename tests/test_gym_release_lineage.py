@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from ledger.delivery import finalize_rollout_token_capture, retire_rollout_token_capture
-from ledger.errors import InvalidRecord, PayloadConflict
+from ledger.errors import InvalidInput, InvalidRecord, PayloadConflict
 from ledger.gym import CaptureLineageStore, CaptureSink, CaptureSource
 from ledger.gym_lineage import LineageResolution, stamp_continuation
 from ledger.records import ParentResolutionStatus, TokenEntry, gym_token_digest
@@ -240,3 +240,58 @@ async def test_a_foreign_snapshot_with_a_hole_masks_and_keeps_its_records(fault:
     assert "capture_incomplete" in built["mask_reasons"]
     assert not await retire_rollout_token_capture(r, source, built)
     assert source.records[r] == records
+
+
+def _commit(rollout_id: str, call_id: str, **record: Any) -> dict[str, Any]:
+    """A 0.7.0 ``CaptureLedgerCommit`` as JSON (a text-mode root call)."""
+    hexes = {k: f"{n:064x}" for n, k in enumerate(("digest", "extras_digest", "chain_hash"), 1)}
+    return {
+        "rollout_id": rollout_id,
+        "record": {
+            "model_call_id": call_id,
+            "prev_len": 0,
+            "delta_len": 5,
+            "cum_len": 5,
+            "weight_version": 1,
+            "staging_key": f"{rollout_id}/{call_id}",
+            "mode": "text",
+            "cumulative_hash": f"{99:064x}",
+            "response_id": f"resp-{call_id}",
+            "fingerprint_version": 2,
+            **hexes,
+            **record,
+        },
+        "request_items": Q,
+        "response_items": [{"type": "message", "role": "assistant", "content": "4"}],
+    }
+
+
+async def test_capture_ledger_rows_are_write_once_token_free_and_resolvable(
+    db_url: str, rid: Rid
+) -> None:
+    r = rid("custody")
+    store = CaptureLineageStore(url=db_url)
+    after = [*Q, {"role": "assistant", "content": "4"}, {"role": "user", "content": "why?"}]
+    try:
+        assert not await store.has_rows(r)
+        await store.record(_commit(r, "c1"))
+        await store.record(_commit(r, "c1"))  # identical replay
+        with pytest.raises(PayloadConflict):
+            await store.record(_commit(r, "c1", weight_version=2))
+        await store.record_failure(r, "c2", "worker_capture_failed")
+        assert await store.has_rows(r)
+        manifest = await store.manifest(r)
+        assert [x["model_call_id"] for x in manifest["records"]] == ["c1"]
+        assert manifest["records"][0]["weight_version"] == 1  # the first row stays
+        assert manifest["failures"] == [
+            {"schema_version": 2, "model_call_id": "c2", "reason": "worker_capture_failed"}
+        ]
+        assert "token" not in str(manifest).replace("_token", "")
+        res = await store.resolve(r, after)
+        assert res.status == RESOLVED and res.match is not None
+        assert (res.match.model_call_id, res.match.cumulative_token_ids) == ("c1", ())
+        assert (res.match.prev_len, res.match.digest) == (5, f"{99:064x}")
+        with pytest.raises(InvalidInput):
+            await store.record({**_commit(r, "c3"), "record": {"model_call_id": "c3"}})
+    finally:
+        await store.close()

@@ -78,9 +78,13 @@ def load() -> SimpleNamespace | None:
         return None
     if str(root) not in sys.path:
         sys.path.append(str(root))
-    return SimpleNamespace(
-        **{name: importlib.import_module(f"nemo_gym.token_id_capture.{name}") for name in _MODULES}
+    modules = {
+        name: importlib.import_module(f"nemo_gym.token_id_capture.{name}") for name in _MODULES
+    }
+    modules["staging_records"] = importlib.import_module(
+        "nemo_gym.token_id_capture.staging.records"
     )
+    return SimpleNamespace(**modules)
 
 
 def missing_reason() -> str:
