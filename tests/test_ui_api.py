@@ -410,6 +410,16 @@ def test_ui_command_refuses_a_missing_ledger_in_one_line(tmp_path: Path) -> None
     )
     assert done.returncode == 2 and "no API tokens are configured" in done.stderr
 
+    done = subprocess.run(
+        [*_cli(), "ui", "--db", "sqlite:///x.db", "--log-level", "loud"],
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert done.returncode == 2 and "--log-level must be one of" in done.stderr
+    assert "Traceback" not in done.stderr
+
 
 def test_every_static_file_ships_in_the_wheel() -> None:
     """The page is served from package data: each file under api/ui/static must be declared."""

@@ -31,7 +31,7 @@ import pytest
 from ledger import migrate
 from ledger.sim import SimEngine
 from ledger.store import Ledger
-from tests.helpers.ui_seed import first_mismatch, seed_delivered
+from tests.helpers.ui_seed import first_mismatch, seed_delivered, seed_masked_drift
 from tests.proxy_support import Stack, start_stack
 from tests.support.smollm2 import cache_dir, load_smollm2_tokenizer
 
@@ -140,22 +140,26 @@ def test_the_page_lists_a_masked_rollout_opens_it_and_shows_the_drift(
     call_ids = [c["model_call_id"] for c in detail["calls"]]
     assert len(call_ids) == 2
 
-    neighbour = rid("tools")
+    neighbour, failing = rid("tools"), rid("flaky")
 
-    async def delivered_neighbour() -> None:
+    async def neighbours() -> None:
         led = Ledger(stack.db_url)
         try:
             await seed_delivered(led, neighbour, consumer="grpo-trainer")
+            await seed_masked_drift(led, failing, consumer="grpo-trainer")
         finally:
             await led.close()
 
-    asyncio.run(delivered_neighbour())
+    asyncio.run(neighbours())
 
     requested: list[str] = []
     with sync_playwright() as p:
         browser = p.chromium.launch(executable_path=executable, headless=True)
         try:
             page = browser.new_page(viewport={"width": 1320, "height": 900})
+            # Waits, not limits: a loaded CI machine can take seconds to render.
+            page.set_default_timeout(60_000)
+            expect.set_options(timeout=60_000)
             page.on("request", lambda req: requested.append(req.url))
             page.goto(stack.url + "/ui")
             # No token yet: the page asks for one, keeps it in sessionStorage, and retries.
@@ -168,6 +172,10 @@ def test_the_page_lists_a_masked_rollout_opens_it_and_shows_the_drift(
             expect(row).to_contain_text("masked")
             expect(row).to_contain_text("grpo-trainer")
             expect(page.locator("#health-totals")).to_contain_text("calls captured")
+            # The cause behind a mask (an upstream error) is shown next to the mask reasons.
+            cause = page.locator(f'tr[data-rollout="{failing}"] td.reasons .badge.cause')
+            expect(cause).to_have_text("upstream_error")
+            expect(page.locator("#health")).to_contain_text("upstream_error")
             expect(page.locator("#health svg rect").first).to_be_visible()
             overview = tmp_path / "ui-overview.png"
             page.screenshot(path=str(overview), full_page=True)

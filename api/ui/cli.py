@@ -12,6 +12,7 @@ from sqlalchemy.engine import make_url
 from ledger.cli_ops import err
 
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 class UiError(Exception):
@@ -80,6 +81,10 @@ def register(app: typer.Typer) -> None:
         from ledger.config import ConfigError, load_settings
 
         try:
+            if log_level not in LOG_LEVELS:
+                raise UiError(
+                    f"--log-level must be one of {', '.join(LOG_LEVELS)}; got {log_level!r}"
+                )
             settings = load_settings(db=db, host=host, port=port)
             if not settings.tokens and host not in LOOPBACK and not allow_unauthenticated:
                 raise UiError(
