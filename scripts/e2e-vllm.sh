@@ -34,6 +34,9 @@
 #   E2E_VLLM_START_TIMEOUT      seconds to wait for vLLM /health   (default 300)
 #   E2E_KEEP_VLLM=1             leave vLLM running afterwards (stop: VLLM_PORT=$E2E_VLLM_PORT
 #                               VLLM_RUN_DIR=<cache>/e2e-run scripts/vllm-stop.sh)
+#   E2E_MODEL                   smollm2 (default) or gemma3: the second model, Gemma 3 270M with
+#                               a different chat template (scripts/gemma3-model.py); the SmolLM2
+#                               smoke step is skipped for it
 #   E2E_SUPPLY_PREFIX=1         serve with `supply_prefix_token_ids: true` (prefix supply)
 #   E2E_ROLLOUTS_PER_FRAMEWORK  tool-using rollouts per framework and backend (default 2, max 8)
 #   E2E_REPORT_OUT              also copy the per-rollout report (JSON lines) to this file
@@ -57,6 +60,11 @@ port="${E2E_VLLM_PORT:-18010}"
 extra_args="${E2E_VLLM_EXTRA_ARGS---enforce-eager}"
 run_dir="$cache/e2e-run"
 py="${E2E_PYTHON:-$repo_root/.venv/bin/python}"
+case "${E2E_MODEL:-smollm2}" in
+  smollm2) model_script="smollm2-model.py"; served="smol" ;;
+  gemma3) model_script="gemma3-model.py"; served="gemma3" ;;
+  *) die "E2E_MODEL must be smollm2 or gemma3, got '${E2E_MODEL}'" ;;
+esac
 
 t_all=$SECONDS
 timings=()
@@ -129,9 +137,9 @@ fi
 begin "vLLM venv (scripts/vllm-env.sh)"
 venv="$("$repo_root/scripts/vllm-env.sh")"
 record "vllm-env.sh"
-begin "SmolLM2 model (scripts/smollm2-model.py)"
-model_dir="$("$venv/bin/python" "$repo_root/scripts/smollm2-model.py")"
-record "smollm2-model.py"
+begin "model (scripts/$model_script)"
+model_dir="$("$venv/bin/python" "$repo_root/scripts/$model_script")"
+record "$model_script"
 
 # 3. vLLM.  A server left in this run dir by an interrupted earlier run is reused (and then
 # stopped like one started now): this dir and port belong to this script only.
@@ -141,13 +149,22 @@ if [[ -f "$run_dir/vllm-$port.pid" ]]; then
 fi
 started_vllm=1
 url="$(vllm_env SMOLLM2_HF_DIR="$model_dir" VLLM_VENV="$venv" VLLM_EXTRA_ARGS="$extra_args" \
-  VLLM_START_TIMEOUT="${E2E_VLLM_START_TIMEOUT:-300}" "$repo_root/scripts/vllm-serve.sh")"
+  VLLM_SERVED_NAME="$served" VLLM_START_TIMEOUT="${E2E_VLLM_START_TIMEOUT:-300}" \
+  "$repo_root/scripts/vllm-serve.sh")"
 record "vllm-serve.sh (until /health)"
+# A server reused from an interrupted run may serve another model.
+"$py" - "$url" "$served" <<'PY' || die "the vLLM at $url does not serve '$served' (stop it first)"
+import sys, httpx
+names = [m["id"] for m in httpx.get(sys.argv[1] + "/v1/models", timeout=30).json()["data"]]
+sys.exit(0 if sys.argv[2] in names else 1)
+PY
 
 # 4. smoke: the fields capture relies on, and the eager server's slow first request
-begin "vLLM smoke (scripts/vllm-smoke.py)"
-"$py" "$repo_root/scripts/vllm-smoke.py" --base-url "$url" >&2
-record "vllm-smoke.py"
+if [[ "$served" == "smol" ]]; then
+  begin "vLLM smoke (scripts/vllm-smoke.py)"
+  "$py" "$repo_root/scripts/vllm-smoke.py" --base-url "$url" >&2
+  record "vllm-smoke.py"
+fi
 
 # Postgres (optional)
 if [[ -z "${ROLLOUT_LEDGER_TEST_PG_URL:-}" && -n "${E2E_PG_ADMIN_URL:-}" ]]; then
@@ -173,7 +190,7 @@ begin "pytest tests/e2e (supply_prefix_token_ids: ${E2E_SUPPLY_PREFIX:-0})"
 report="$work/report.jsonl"
 set +e
 ROLLOUT_LEDGER_VLLM_URL="$url" ROLLOUT_LEDGER_E2E_REPORT="$report" TMPDIR="$work" \
-  E2E_REQUIRE_FRAMEWORKS=1 \
+  ROLLOUT_LEDGER_VLLM_MODEL="$served" E2E_REQUIRE_FRAMEWORKS=1 \
   "$py" -m pytest -q -s -p no:cacheprovider -m vllm --basetemp="$work/pytest" \
   "$repo_root/tests/e2e" "$@"
 status=$?

