@@ -7,15 +7,23 @@ not silently drop fields whose meaning it does not know.
 from __future__ import annotations
 
 import hashlib
-import math
 from array import array
 from typing import Any
 
 import orjson
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from ledger.errors import InvalidRecord, UnsupportedSchemaVersion
 from ledger.ids import validate_call_id, validate_rollout_id
+from ledger.token_rules import check_created_at, check_log_probs, check_token_ids
 
 __all__ = ["SCHEMA_VERSION", "TokenEntry", "canonical_metadata", "coerce_entry", "payload_digest"]
 
@@ -66,12 +74,22 @@ class TokenEntry(BaseModel):
     def _call_id(cls, v: str) -> str:
         return validate_call_id(v)
 
-    @field_validator("generation_log_probs")
+    # Before pydantic's lax coercion (which would turn true into 1 and "7" into 7): the same
+    # rules as the proxy's extractor (ledger.token_rules).
+    @field_validator("prompt_token_ids", "generation_token_ids", mode="before")
     @classmethod
-    def _no_nan(cls, v: list[float]) -> list[float]:
-        if any(math.isnan(x) for x in v):
-            raise ValueError("generation_log_probs must not contain NaN")
-        return v
+    def _token_ids(cls, v: Any, info: ValidationInfo) -> Any:
+        return check_token_ids(v, str(info.field_name))
+
+    @field_validator("generation_log_probs", mode="before")
+    @classmethod
+    def _log_probs(cls, v: Any) -> Any:
+        return check_log_probs(v, "generation_log_probs")
+
+    @field_validator("created_at", mode="before")
+    @classmethod
+    def _created_at(cls, v: Any) -> Any:
+        return check_created_at(v)
 
     @model_validator(mode="after")
     def _shape(self) -> TokenEntry:
@@ -87,12 +105,6 @@ class TokenEntry(BaseModel):
                 f"token_item_index {self.token_item_index} is out of range for "
                 f"{len(self.output_items)} output_items"
             )
-        for name in ("prompt_token_ids", "generation_token_ids"):
-            ids = getattr(self, name)
-            # min/max run in C: a per-token Python loop costs milliseconds on long prompts.
-            if ids and (min(ids) < -(2**31) or max(ids) >= 2**31):
-                bad = min(ids) if min(ids) < -(2**31) else max(ids)
-                raise ValueError(f"{name} holds {bad}, outside the int32 range")
         return self
 
     def extra_fields(self) -> dict[str, Any]:
