@@ -112,6 +112,8 @@ def create_app(
             settings.upstream_timeout_s, connect=settings.upstream_connect_timeout_s
         )
         base, upstream_auth = _split_userinfo(settings.upstream or "http://upstream.invalid")
+        if settings.upstream_api_key:
+            upstream_auth = None  # the configured key is sent as a bearer token instead
         app.state.upstream = httpx.AsyncClient(
             # Credentials in the URL go into an auth object, so no log line shows them.
             base_url=base,

@@ -46,6 +46,9 @@ class _GuardedH11(H11Protocol):
         super().connection_made(transport)
         self._read_timer: asyncio.TimerHandle | None = None
         self._seen_cycle: object = None
+        # "headers": reading a request's headers; "body": its body; "app": neither (the app
+        # answers, or the connection idles under uvicorn's keep-alive timeout).
+        self._phase = "headers"
         self._arm(self.header_timeout_s)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -53,9 +56,9 @@ class _GuardedH11(H11Protocol):
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
-        idle = self.cycle is None or self.cycle.response_complete
-        if idle and self._read_timer is None:
+        if self._phase == "app" and (self.cycle is None or self.cycle.response_complete):
             # The first bytes of a next request on a kept-alive connection.
+            self._phase = "headers"
             self._arm(self.header_timeout_s)
         super().data_received(data)
 
@@ -66,10 +69,14 @@ class _GuardedH11(H11Protocol):
             return
         if cycle is not self._seen_cycle:  # headers complete: a new request started
             self._seen_cycle = cycle
-            self._disarm()
             if cycle.more_body:
+                self._phase = "body"
                 self._arm(self.body_timeout_s)
-        elif not cycle.more_body:
+            else:
+                self._phase = "app"
+                self._disarm()
+        elif self._phase == "body" and not cycle.more_body:
+            self._phase = "app"
             self._disarm()
 
     def _arm(self, seconds: float) -> None:
