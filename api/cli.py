@@ -107,6 +107,23 @@ def _register(app: typer.Typer) -> None:
             **uvicorn_options(settings),
         )
 
+    @app.command("mint-capability")
+    def mint_capability_cmd(
+        rollout_id: Annotated[str, typer.Argument(help="The rollout the harness will write.")],
+    ) -> None:
+        """Print the capture capability for ROLLOUT_ID: the API key to give its harness.
+
+        The secret comes from ROLLOUT_LEDGER_CAPTURE_SECRET (the value the service uses).
+        """
+        from ledger.capability import mint_capability
+        from ledger.errors import LedgerError
+
+        try:
+            print(mint_capability(rollout_id))
+        except LedgerError as exc:
+            err.print(f"[red]error:[/] {exc.message}")
+            raise typer.Exit(2) from None
+
     @app.command("demo")
     def demo(
         db: Annotated[

@@ -775,4 +775,18 @@ async def test_an_over_limit_chunked_body_is_a_413(db_url: str, rid: Rid) -> Non
             headers={**ING, **JSON},
         )
         assert proxied.status_code == 413, proxied.text[:200]
+        passed = await api.client.post("/v1/embeddings", content=chunks(), headers={**ING, **JSON})
+        assert passed.status_code == 413, passed.text[:200]
         assert api.upstream.paths() == []
+
+
+def test_the_cli_mints_the_same_capability(monkeypatch: pytest.MonkeyPatch) -> None:
+    from api.cli import app
+
+    monkeypatch.setenv("ROLLOUT_LEDGER_CAPTURE_SECRET", SECRET)
+    minted = CliRunner().invoke(app, ["mint-capability", "r-7"])
+    assert minted.exit_code == 0, minted.output
+    assert rollout_of_capability(minted.output.strip(), SECRET) == "r-7"
+    monkeypatch.delenv("ROLLOUT_LEDGER_CAPTURE_SECRET")
+    missing = CliRunner().invoke(app, ["mint-capability", "r-7"])
+    assert missing.exit_code == 2 and "ROLLOUT_LEDGER_CAPTURE_SECRET" in missing.output
