@@ -29,7 +29,7 @@ from pydantic import (
 )
 
 from api.auth import require
-from api.limits import BoundedJsonRoute, check_record_tokens
+from api.limits import BoundedJsonRoute, check_record_tokens, encode_entries_off_loop
 from api.metrics import incomplete_label
 from ledger.errors import InvalidInput, NotFound, PayloadConflict, RolloutRetired, StateConflict
 from ledger.ids import MAX_ROLLOUT_ID_LEN
@@ -39,7 +39,6 @@ from ledger.token_rules import check_created_at, check_log_probs, check_token_id
 from ledger.wire import (
     TokenEncoding,
     decode_record,
-    encode_entry,
     finite_json,
     pack_b64_ids,
     unpack_b64_ids,
@@ -557,7 +556,7 @@ async def freeze(
     )
     return SnapshotOut(
         rollout_id=snap.rollout_id,
-        entries=[encode_entry(e, token_encoding) for e in snap.entries],
+        entries=await encode_entries_off_loop(snap.entries, token_encoding),
         incomplete=snap.incomplete,
         snapshot_id=snap.snapshot_id,
         version=snap.version,

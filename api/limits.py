@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import httpx
@@ -24,6 +24,8 @@ from fastapi import HTTPException, Request, Response
 from fastapi.routing import APIRoute
 
 from ledger.config import Settings
+from ledger.records import TokenEntry
+from ledger.wire import TokenEncoding, encode_entry
 
 __all__ = [
     "DEFAULT_RECORD_TOKENS",
@@ -33,6 +35,7 @@ __all__ = [
     "check_json_value",
     "check_record_tokens",
     "discover_context_length",
+    "encode_entries_off_loop",
     "parse_json_body",
     "record_token_cap",
 ]
@@ -40,6 +43,7 @@ __all__ = [
 log = logging.getLogger("rollout_ledger.api")
 
 OFFLOAD_BYTES = 256 * 1024
+OFFLOAD_TOKENS = 50_000
 MAX_DEPTH = 64
 DEFAULT_RECORD_TOKENS = 262_144
 _SCALARS = frozenset({int, float, bool, type(None)})
@@ -172,3 +176,14 @@ async def discover_context_length(client: httpx.AsyncClient, headers: dict[str, 
         and m["max_model_len"] > 0
     ]
     return max(lengths) if lengths else None
+
+
+async def encode_entries_off_loop(
+    entries: Sequence[TokenEntry], encoding: TokenEncoding
+) -> list[dict[str, Any]]:
+    """Snapshot entries for the wire; a large snapshot is encoded in a worker thread (writing
+    millions of log-probs as JSON numbers would otherwise hold the event loop for seconds)."""
+    tokens = sum(len(e.prompt_token_ids) + len(e.generation_token_ids) for e in entries)
+    if tokens <= OFFLOAD_TOKENS:
+        return [encode_entry(e, encoding) for e in entries]
+    return await asyncio.to_thread(lambda: [encode_entry(e, encoding) for e in entries])

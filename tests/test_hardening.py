@@ -790,3 +790,20 @@ def test_the_cli_mints_the_same_capability(monkeypatch: pytest.MonkeyPatch) -> N
     monkeypatch.delenv("ROLLOUT_LEDGER_CAPTURE_SECRET")
     missing = CliRunner().invoke(app, ["mint-capability", "r-7"])
     assert missing.exit_code == 2 and "ROLLOUT_LEDGER_CAPTURE_SECRET" in missing.output
+
+
+async def test_a_large_snapshot_is_encoded_exactly(db_url: str, rid: Rid) -> None:
+    r = rid("bigfreeze")
+    prompt = [(i * 7919) % 50000 for i in range(limits.OFFLOAD_TOKENS + 10)]
+    async with open_app(db_url) as api:
+        put = await api.client.put(
+            f"{V1}/rollouts/{r}/calls/c1",
+            json={"record": record(prompt, [5, 6], ["-Infinity", -0.25])},
+            headers=ING,
+        )
+        assert put.status_code == 201, put.text[:200]
+        frozen = await api.client.post(f"{V1}/rollouts/{r}/freeze", headers=TRN)
+        assert frozen.status_code == 200
+        (entry,) = frozen.json()["entries"]
+        assert entry["prompt_token_ids"] == prompt
+        assert entry["generation_log_probs"] == ["-Infinity", -0.25]
