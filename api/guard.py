@@ -90,7 +90,9 @@ class BrowserGuard:
         await response(scope, receive, send)
 
     def _has_credentials_mode(self) -> bool:
-        return bool(self.settings.tokens) or bool(self.settings.capture_secret)
+        # Without API tokens the ledger API is open, so the checks apply (a capture secret
+        # guards the proxy only).
+        return bool(self.settings.tokens)
 
     def _problem(self, scope: Scope, headers: dict[str, str]) -> tuple[int, str, str] | None:
         host = headers.get("host")

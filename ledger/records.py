@@ -11,15 +11,7 @@ from array import array
 from typing import Any
 
 import orjson
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-    ValidationError,
-    ValidationInfo,
-    field_validator,
-    model_validator,
-)
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ledger.errors import InvalidRecord, UnsupportedSchemaVersion
 from ledger.ids import validate_call_id, validate_rollout_id
@@ -76,10 +68,15 @@ class TokenEntry(BaseModel):
 
     # Before pydantic's lax coercion (which would turn true into 1 and "7" into 7): the same
     # rules as the proxy's extractor (ledger.token_rules).
-    @field_validator("prompt_token_ids", "generation_token_ids", mode="before")
+    @field_validator("prompt_token_ids", mode="before")
     @classmethod
-    def _token_ids(cls, v: Any, info: ValidationInfo) -> Any:
-        return check_token_ids(v, str(info.field_name))
+    def _prompt_ids(cls, v: Any) -> Any:
+        return check_token_ids(v, "prompt_token_ids")
+
+    @field_validator("generation_token_ids", mode="before")
+    @classmethod
+    def _generation_ids(cls, v: Any) -> Any:
+        return check_token_ids(v, "generation_token_ids")
 
     @field_validator("generation_log_probs", mode="before")
     @classmethod
