@@ -86,7 +86,7 @@ def _err(description: str) -> dict[str, Any]:
 COMMON_ERRORS: dict[int | str, dict[str, Any]] = {
     401: _err("Missing or unknown bearer token."),
     403: _err("The token lacks the scope this route needs."),
-    413: _err("The request body exceeds max_body_bytes."),
+    413: _err("The request body exceeds max_body_bytes, or the record max_record_tokens."),
     422: _err("Invalid input; the message names the failing field."),
     503: _err("The database cannot be reached."),
 }

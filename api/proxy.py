@@ -169,7 +169,7 @@ def _no_upstream(path: str) -> JSONResponse:
 
 
 def _upstream_headers(request: Request) -> dict[str, str]:
-    """The harness's headers minus hop-by-hop ones; its credentials pass through untouched."""
+    """The harness's headers minus hop-by-hop ones; credentials as api.capability says."""
     headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
     if "authorization" not in {k.lower() for k in headers} and "x-api-key" in request.headers:
         headers["authorization"] = f"Bearer {request.headers['x-api-key']}"
