@@ -117,7 +117,7 @@ def uvicorn_options(settings: Settings) -> dict[str, Any]:
         "http": guarded_h11(server.header_timeout_s, server.body_timeout_s),
         "timeout_keep_alive": server.keep_alive_s,
         "limit_concurrency": server.max_connections,
-        "h11_max_incomplete_event_size": 64 * 1024,
+        "h11_max_incomplete_event_size": 16 * 1024,  # request line + headers
     }
 
 
