@@ -807,3 +807,36 @@ async def test_a_large_snapshot_is_encoded_exactly(db_url: str, rid: Rid) -> Non
         (entry,) = frozen.json()["entries"]
         assert entry["prompt_token_ids"] == prompt
         assert entry["generation_log_probs"] == ["-Infinity", -0.25]
+
+
+def test_real_sdks_use_a_capability_as_their_api_key(
+    db_url: str, rid: Rid, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The released OpenAI and Anthropic SDKs carry the capability (``~`` and all) as their
+    API key; a capability for another rollout is an authentication error they understand."""
+    import anthropic
+    import openai
+
+    from tests.proxy_support import start_stack
+
+    monkeypatch.setenv("ROLLOUT_LEDGER_TOKENS", TOKENS)
+    monkeypatch.setenv("ROLLOUT_LEDGER_CAPTURE_SECRET", SECRET)
+    with contextlib.contextmanager(start_stack)(db_url) as stack:
+        r = rid("sdk")
+        key = mint_capability(r, SECRET)
+        client = openai.OpenAI(base_url=stack.base(r) + "/v1", api_key=key, max_retries=0)
+        msgs: Any = [{"role": "user", "content": "hi"}]
+        client.chat.completions.create(model="smol", messages=msgs)
+        claude = anthropic.Anthropic(base_url=stack.base(r), api_key=key, max_retries=0)
+        claude.messages.create(model="smol", max_tokens=32, messages=msgs)
+        assert stack.captured(r) == 2
+        stranger = openai.OpenAI(
+            base_url=stack.base(r) + "/v1", api_key=mint_capability(rid("x"), SECRET), max_retries=0
+        )
+        with pytest.raises(openai.PermissionDeniedError):
+            stranger.chat.completions.create(model="smol", messages=msgs)
+        with pytest.raises(anthropic.AuthenticationError):
+            anthropic.Anthropic(
+                base_url=stack.base(r), api_key="sk-guess", max_retries=0
+            ).messages.create(model="smol", max_tokens=32, messages=msgs)
+        assert stack.captured(r) == 2
