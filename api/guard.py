@@ -3,7 +3,8 @@
 * :class:`BrowserGuard` (ASGI middleware): in the no-token mode the service trusts the network
   position of its callers, which a web page can borrow (DNS rebinding, cross-site requests).
   So, when no tokens are configured: the ``Host`` must be a loopback name (or one listed in
-  ``auth.allowed_hosts``, or the address the service listens on); a request with an ``Origin``
+  ``auth.allowed_hosts``, or the address the service listens on; probes of ``/healthz`` and
+  ``/metrics`` are exempt); a request with an ``Origin``
   must come from such a host; and state-changing ledger routes need ``Content-Type:
   application/json`` (which a cross-site page cannot send without a CORS preflight, and the
   service never approves one).
@@ -95,6 +96,10 @@ class BrowserGuard:
         return bool(self.settings.tokens)
 
     def _problem(self, scope: Scope, headers: dict[str, str]) -> tuple[int, str, str] | None:
+        path = str(scope.get("path", ""))
+        method = str(scope.get("method", "")).upper()
+        if method in ("GET", "HEAD") and path in OPS_PATHS:
+            return None  # probes and scrapers use whatever address they reach; nothing secret
         host = headers.get("host")
         if host is not None and not allowed_host(self.settings, host):
             return (
@@ -110,8 +115,6 @@ class BrowserGuard:
                 "origin_not_allowed",
                 f"cross-site request from Origin {origin!r} refused (no API tokens configured)",
             )
-        path = str(scope.get("path", ""))
-        method = str(scope.get("method", "")).upper()
         if (
             method in STATE_CHANGING
             and path.startswith(LEDGER_PREFIX)

@@ -447,6 +447,10 @@ async def test_no_token_mode_refuses_other_hosts_origins_and_form_posts(
         # DNS rebinding: the page's own host name reaches the loopback service.
         rebound = await api.client.post(freeze, headers={**JSON, "Host": "evil.example"})
         assert rebound.status_code == 421
+        listed = await api.client.get(f"{V1}/rollouts", headers={"Host": "evil.example"})
+        assert listed.status_code == 421  # reads too: the page would see the answer
+        probe = await api.client.get("/healthz", headers={"Host": "10.0.0.5:8080"})
+        assert probe.status_code == 200  # probes reach the service by any address
         cross = await api.client.post(freeze, headers={**JSON, "Origin": "http://evil.example"})
         assert cross.status_code == 403
         for headers in (
