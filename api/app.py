@@ -13,10 +13,13 @@ from fastapi.responses import JSONResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from api import errors
+from api.guard import BrowserGuard
+from api.health import HealthCheck
 from api.ledger_routes import router as ledger_router
+from api.limits import discover_context_length, record_token_cap
 from api.metrics import Metrics
-from ledger import migrate
 from ledger.config import Settings
+from ledger.redact import install_log_redaction
 from ledger.store import Ledger
 
 log = logging.getLogger("rollout_ledger.api")
@@ -79,8 +82,10 @@ class BodyLimit:
         await resp({"type": "http"}, _no_receive, send)
 
 
-class _TooLarge(Exception):
-    pass
+class _TooLarge(BaseException):
+    """Raised into whoever is reading the body.  A ``BaseException`` so that no ``except
+    Exception`` on the way (FastAPI's body reader, the proxy's JSON parsing, httpx streaming the
+    body upstream) turns the 413 into a 400 or a 502."""
 
 
 async def _no_receive() -> Message:
@@ -102,15 +107,27 @@ def create_app(
             settings.db, delta_records=settings.token_id_capture.delta_records, auto_migrate=True
         )
         await app.state.ledger.ensure_schema()
+        app.state.health = HealthCheck(lambda: app.state.ledger, settings.upstream)
         timeout = httpx.Timeout(
             settings.upstream_timeout_s, connect=settings.upstream_connect_timeout_s
         )
+        base, upstream_auth = _split_userinfo(settings.upstream or "http://upstream.invalid")
+        if settings.upstream_api_key:
+            upstream_auth = None  # the configured key is sent as a bearer token instead
         app.state.upstream = httpx.AsyncClient(
-            base_url=settings.upstream or "http://upstream.invalid",
+            # Credentials in the URL go into an auth object, so no log line shows them.
+            base_url=base,
+            auth=upstream_auth,
             timeout=timeout,
             transport=upstream_transport,
             limits=httpx.Limits(max_connections=512, max_keepalive_connections=128),
         )
+        discovered = None
+        if settings.upstream is not None and settings.max_record_tokens is None:
+            key = settings.upstream_api_key
+            headers = {"authorization": f"Bearer {key}"} if key else {}
+            discovered = await discover_context_length(app.state.upstream, headers)
+        app.state.max_record_tokens = record_token_cap(settings, discovered)
         try:
             yield
         finally:
@@ -129,33 +146,18 @@ def create_app(
     )
     app.state.settings = settings
     app.state.metrics = Metrics()
+    app.state.max_record_tokens = record_token_cap(settings, None)
+    install_log_redaction(*REDACTED_LOGGERS)
     errors.install(app)
     errors.install_http(app)
     app.include_router(ledger_router)
 
     @app.get("/healthz", tags=["ops"])
     async def healthz(request: Request) -> JSONResponse:
-        """Database reachable and schema at head."""
-        led: Ledger = request.app.state.ledger
-        try:
-            current = await migrate.current_revision(led.url)
-        except Exception as exc:
-            return JSONResponse(
-                {"status": "unavailable", "database": f"unreachable: {type(exc).__name__}"},
-                status_code=503,
-            )
-        head = migrate.head_revision()
-        ok = current == head
-        return JSONResponse(
-            {
-                "status": "ok" if ok else "schema_behind",
-                "database": "ok",
-                "schema": current,
-                "head": head,
-                "upstream": settings.upstream,
-            },
-            status_code=200 if ok else 503,
-        )
+        """Database reachable and schema at head (pooled, shared by concurrent probes)."""
+        health: HealthCheck = request.app.state.health
+        status, body = await health.check()
+        return JSONResponse(body, status_code=status)
 
     @app.get("/metrics", tags=["ops"], include_in_schema=False)
     async def metrics(request: Request) -> Response:
@@ -170,4 +172,25 @@ def create_app(
 
     install_proxy(app, settings)
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
+    app.add_middleware(BrowserGuard, settings=settings)
     return app
+
+
+# Loggers whose lines may carry URLs (httpx logs every request with its full URL).
+REDACTED_LOGGERS = (
+    "httpx",
+    "httpcore",
+    "uvicorn.error",
+    "rollout_ledger.api",
+    "rollout_ledger.api.ledger",
+    "rollout_ledger.proxy",
+)
+
+
+def _split_userinfo(url: str) -> tuple[str, httpx.BasicAuth | None]:
+    """``http://user:pw@host/x`` → (``http://host/x``, BasicAuth(user, pw))."""
+    parsed = httpx.URL(url)
+    if not parsed.userinfo:
+        return url, None
+    auth = httpx.BasicAuth(parsed.username, parsed.password)
+    return str(parsed.copy_with(username=None, password=None)), auth

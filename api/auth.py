@@ -2,8 +2,9 @@
 
 Tokens come from the environment (see ``ledger.config``).  With no tokens configured every
 ledger route is open, and ``rollout-ledger serve`` then refuses to listen beyond loopback unless
-``--allow-unauthenticated`` is given.  Proxy routes never use these tokens: the harness's own
-``Authorization`` header is forwarded upstream untouched.
+``--allow-unauthenticated`` is given.  Proxy routes are guarded by ``api.capability``: with
+tokens configured they need a per-rollout capture capability (or an ingest token), and the
+harness's credential is never forwarded upstream.
 """
 
 from __future__ import annotations
@@ -25,6 +26,15 @@ bearer_scheme = HTTPBearer(
 Credentials = Annotated[HTTPAuthorizationCredentials | None, Depends(bearer_scheme)]
 
 
+def scopes_of(tokens: dict[str, frozenset[str]], presented: str) -> frozenset[str] | None:
+    """The scopes of a presented token (every token compared in constant time), or None."""
+    found: frozenset[str] | None = None
+    for token, scopes in tokens.items():
+        if hmac.compare_digest(token.encode(), presented.encode()):
+            found = scopes
+    return found
+
+
 def require(scope: str) -> Callable[..., Awaitable[None]]:
     async def check(request: Request, _credentials: Credentials) -> None:
         tokens: dict[str, frozenset[str]] = request.app.state.settings.tokens
@@ -38,10 +48,7 @@ def require(scope: str) -> Callable[..., Awaitable[None]]:
                 detail=f"missing bearer token: this route needs a token with the '{scope}' scope",
                 headers={"WWW-Authenticate": "Bearer"},
             )
-        scopes = next(
-            (s for t, s in tokens.items() if hmac.compare_digest(t.encode(), presented.encode())),
-            None,
-        )
+        scopes = scopes_of(tokens, presented)
         if scopes is None:
             raise HTTPException(
                 401, detail="unknown bearer token", headers={"WWW-Authenticate": "Bearer"}

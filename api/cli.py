@@ -55,7 +55,9 @@ def _register(app: typer.Typer) -> None:
         import uvicorn
 
         from api.app import create_app
+        from api.server import serve_problem, uvicorn_options
         from ledger import migrate
+        from ledger.redact import redact_text, redact_url
 
         try:
             settings = load_settings(config, upstream=upstream, db=db, host=host, port=port)
@@ -71,23 +73,30 @@ def _register(app: typer.Typer) -> None:
                 "--allow-unauthenticated."
             )
             raise typer.Exit(2)
+        if problem := serve_problem(settings):
+            err.print(f"[red]error:[/] {problem}")
+            raise typer.Exit(2)
         logging.basicConfig(
             level=log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
         )
         try:
             migrate.upgrade(settings.db)
         except Exception as exc:
-            err.print(f"[red]error:[/] cannot prepare the database {settings.db}: {exc}")
+            err.print(
+                f"[red]error:[/] cannot prepare the database {redact_url(settings.db)}: "
+                f"{redact_text(str(exc))}"
+            )
             raise typer.Exit(1) from None
         if settings.tokens:
-            auth = "bearer tokens"
+            auth = "bearer tokens (proxy: capture capabilities or ingest tokens)"
         elif settings.host in LOOPBACK:
             auth = "NONE (loopback only)"
         else:
             auth = f"NONE: the ledger API is OPEN to the network on {settings.host}"
         err.print(
-            f"rollout-ledger: ledger [bold]{settings.db}[/], upstream "
-            f"[bold]{settings.upstream or 'none: proxy routes answer 503'}[/], auth {auth}, "
+            f"rollout-ledger: ledger [bold]{redact_url(settings.db)}[/], upstream "
+            f"[bold]{redact_url(settings.upstream) or 'none: proxy routes answer 503'}[/], "
+            f"auth {auth}, "
             f"http://{settings.host}:{settings.port}"
         )
         uvicorn.run(
@@ -96,7 +105,25 @@ def _register(app: typer.Typer) -> None:
             port=settings.port,
             log_level=log_level,
             access_log=False,
+            **uvicorn_options(settings),
         )
+
+    @app.command("mint-capability")
+    def mint_capability_cmd(
+        rollout_id: Annotated[str, typer.Argument(help="The rollout the harness will write.")],
+    ) -> None:
+        """Print the capture capability for ROLLOUT_ID: the API key to give its harness.
+
+        The secret comes from ROLLOUT_LEDGER_CAPTURE_SECRET (the value the service uses).
+        """
+        from ledger.capability import mint_capability
+        from ledger.errors import LedgerError
+
+        try:
+            print(mint_capability(rollout_id))
+        except LedgerError as exc:
+            err.print(f"[red]error:[/] {exc.message}")
+            raise typer.Exit(2) from None
 
     @app.command("demo")
     def demo(

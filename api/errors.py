@@ -17,6 +17,7 @@ from ledger.errors import (
     StateConflict,
     Unavailable,
 )
+from ledger.redact import redact_text
 
 STATUS: list[tuple[type[LedgerError], int]] = [
     (RolloutRetired, 410),
@@ -47,6 +48,7 @@ def install(app: FastAPI) -> None:
         if isinstance(exc, Unavailable):
             # Driver messages append the SQL and its parameters: keep only the first line.
             message = message.split("\n", 1)[0]
+        message = redact_text(message)  # a driver may name the database URL it tried
         return JSONResponse(error_body(exc.code, message, **extra), status_code=status_for(exc))
 
     @app.exception_handler(RequestValidationError)
@@ -84,11 +86,13 @@ def install_http(app: FastAPI) -> None:
                 status_code=413,
             )
         code = {
+            400: "bad_request",
             401: "unauthorized",
             403: "forbidden",
             404: "not_found",
             405: "method_not_allowed",
             413: "payload_too_large",
+            422: "invalid_request",
         }.get(exc.status_code, f"http_{exc.status_code}")
         return JSONResponse(
             error_body(code, str(exc.detail)),

@@ -18,17 +18,27 @@ from datetime import UTC, datetime, timedelta
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, Path, Query, Request, Response
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
 from api.auth import require
+from api.limits import BoundedJsonRoute, check_record_tokens, encode_entries_off_loop
+from api.metrics import incomplete_label
 from ledger.errors import InvalidInput, NotFound, PayloadConflict, RolloutRetired, StateConflict
 from ledger.ids import MAX_ROLLOUT_ID_LEN
 from ledger.records import coerce_entry
 from ledger.store import Audit, Ledger
+from ledger.token_rules import check_created_at, check_log_probs, check_token_ids
 from ledger.wire import (
     TokenEncoding,
     decode_record,
-    encode_entry,
     finite_json,
     pack_b64_ids,
     unpack_b64_ids,
@@ -76,12 +86,12 @@ def _err(description: str) -> dict[str, Any]:
 COMMON_ERRORS: dict[int | str, dict[str, Any]] = {
     401: _err("Missing or unknown bearer token."),
     403: _err("The token lacks the scope this route needs."),
-    413: _err("The request body exceeds max_body_bytes."),
+    413: _err("The request body exceeds max_body_bytes, or the record max_record_tokens."),
     422: _err("Invalid input; the message names the failing field."),
     503: _err("The database cannot be reached."),
 }
 
-router = APIRouter(prefix="/ledger/v1", responses=COMMON_ERRORS)
+router = APIRouter(prefix="/ledger/v1", responses=COMMON_ERRORS, route_class=BoundedJsonRoute)
 
 
 class StaleSnapshot(StateConflict):
@@ -167,6 +177,28 @@ class TokenRecord(BaseModel):
     created_at: float = Field(default=0.0, allow_inf_nan=False)
     response_id: Text | None = Field(default=None, max_length=200)
 
+    # The shared token rules' type checks (ledger.token_rules) before pydantic's lax coercion,
+    # which would read true as 1 and "7" as 7; ranges (and packed arrays, once decoded) are
+    # checked by TokenEntry with the same rules.
+    @field_validator("prompt_token_ids", "generation_token_ids", mode="before")
+    @classmethod
+    def _token_ids(cls, v: Any, info: ValidationInfo) -> Any:
+        if isinstance(v, str):
+            return v
+        return check_token_ids(v, str(info.field_name), types_only=True)
+
+    @field_validator("generation_log_probs", mode="before")
+    @classmethod
+    def _log_probs(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            return v
+        return check_log_probs(v, "generation_log_probs", types_only=True)
+
+    @field_validator("created_at", mode="before")
+    @classmethod
+    def _created_at(cls, v: Any) -> Any:
+        return check_created_at(v)
+
     @model_validator(mode="after")
     def _storable(self) -> TokenRecord:
         for name in ("output_items", "routed_experts"):
@@ -227,6 +259,11 @@ class ResolveBody(BaseModel):
 
     prompt_token_ids: list[int] | str
     token_encoding: TokenEncoding = "json"
+
+    @field_validator("prompt_token_ids", mode="before")
+    @classmethod
+    def _token_ids(cls, v: Any) -> Any:
+        return v if isinstance(v, str) else check_token_ids(v, "prompt_token_ids")
 
 
 class ResolveOut(BaseModel):
@@ -339,6 +376,14 @@ class SweepOut(BaseModel):
     removed: int
 
 
+def _since_utc(value: datetime | None) -> datetime | None:
+    """``since=`` in UTC: SQLite compares stored UTC wall-clock text, so an offset must be
+    applied here (a value without one is taken as UTC)."""
+    if value is None:
+        return None
+    return value.astimezone(UTC) if value.tzinfo is not None else value.replace(tzinfo=UTC)
+
+
 def _utc(value: datetime) -> datetime:
     # SQLite hands timestamps back without their zone; the ledger stores UTC.
     return value if value.tzinfo is not None else value.replace(tzinfo=UTC)
@@ -424,6 +469,7 @@ async def put_call(
 ) -> PutOut:
     """Commit one call record (with its proven lineage) before answering."""
     raw = decode_record(body.record.model_dump(), body.token_encoding)
+    check_record_tokens(request, raw)
     for key, expected in (("rollout_id", rollout_id), ("model_call_id", model_call_id)):
         if raw.get(key) not in (None, expected):
             raise InvalidInput(f"record.{key} {raw[key]!r} does not match the path ({expected!r})")
@@ -487,7 +533,7 @@ async def mark_incomplete(
     version = await led.mark_incomplete(
         rollout_id, body.model_call_id, reason=body.reason, detail=body.detail
     )
-    request.app.state.metrics.incomplete.labels(body.reason).inc()
+    request.app.state.metrics.incomplete.labels(incomplete_label(body.reason)).inc()
     log.warning(
         "marked incomplete rollout=%s call=%s reason=%s",
         rollout_id,
@@ -644,7 +690,7 @@ async def freeze(
     )
     return SnapshotOut(
         rollout_id=snap.rollout_id,
-        entries=[encode_entry(e, token_encoding) for e in snap.entries],
+        entries=await encode_entries_off_loop(snap.entries, token_encoding),
         incomplete=snap.incomplete,
         snapshot_id=snap.snapshot_id,
         version=snap.version,
@@ -812,7 +858,7 @@ async def list_rollouts(
         outcome=outcome,
         masked=masked,
         reason=reason,
-        since=since,
+        since=_since_utc(since),
         limit=limit,
         cursor=cursor,
     )
@@ -831,4 +877,4 @@ async def show_rollout(rollout_id: RolloutId, led: LedgerDep) -> dict[str, Any]:
 @router.get("/stats", tags=["audit"], dependencies=[Depends(require("audit"))])
 async def stats(led: LedgerDep, since: datetime | None = None) -> dict[str, Any]:
     """Counts by state, outcome and reason; mask fraction; delivered-fraction distribution."""
-    return await Audit(led).stats(since=since)
+    return await Audit(led).stats(since=_since_utc(since))

@@ -4,6 +4,27 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+# Incomplete reasons the service itself records; anything else a caller sends is counted as
+# "other", so callers cannot create unbounded label sets (the stored event keeps the reason).
+KNOWN_INCOMPLETE_REASONS = frozenset(
+    {
+        "capture_failed",
+        "missing_token_ids",
+        "malformed_token_payload",
+        "conflicting_payload",
+        "dangling_intent",
+        "unrecognized_route",
+        "upstream_error",
+        "delta_chain_unreconstructable",
+        "prefix_supply_failed",
+    }
+)
+
+
+def incomplete_label(reason: str) -> str:
+    return reason if reason in KNOWN_INCOMPLETE_REASONS else "other"
+
+
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 
 

@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
 from api import dialects as d
+from api.capability import check_proxy_credential, upstream_credentials
 from api.extract import (
     MalformedTokenPayload,
     StrippedResponse,
@@ -41,6 +42,8 @@ from api.extract import (
     tokenize_request_body,
     with_tokenized_prompt,
 )
+from api.guard import local_answer, public_answer_headers
+from api.limits import parse_json_body
 from api.metrics import Metrics
 from ledger.config import NonGeneratingRoute, Settings
 from ledger.errors import LedgerError, RolloutFrozen
@@ -119,10 +122,14 @@ def install_proxy(app: FastAPI, settings: Settings) -> None:
     )
     async def proxy(request: Request, full_path: str) -> Response:
         path = "/" + full_path
+        if (local := local_answer(request, path)) is not None:
+            return local
         if settings.upstream is None:
             return _no_upstream(path)
         match = PREFIX_RE.match(path)
         if match is None:
+            if (refused := check_proxy_credential(request, settings, None, path)) is not None:
+                return refused
             return await _forward(request, path)
         rollout_id = match.group("id")
         if not is_valid_id(rollout_id):
@@ -139,6 +146,8 @@ def install_proxy(app: FastAPI, settings: Settings) -> None:
                 status_code=400,
             )
         rest = match.group("rest") or "/"
+        if (refused := check_proxy_credential(request, settings, rollout_id, rest)) is not None:
+            return refused
         if not match.group("training"):
             return await _forward(request, rest)
         return await _capture(request, rollout_id, rest, settings, declared)
@@ -160,11 +169,11 @@ def _no_upstream(path: str) -> JSONResponse:
 
 
 def _upstream_headers(request: Request) -> dict[str, str]:
-    """The harness's headers minus hop-by-hop ones; its credentials pass through untouched."""
+    """The harness's headers minus hop-by-hop ones; credentials as api.capability says."""
     headers = {k: v for k, v in request.headers.items() if k.lower() not in HOP_BY_HOP}
     if "authorization" not in {k.lower() for k in headers} and "x-api-key" in request.headers:
         headers["authorization"] = f"Bearer {request.headers['x-api-key']}"
-    return headers
+    return upstream_credentials(request, headers)
 
 
 async def _forward(request: Request, path: str) -> Response:
@@ -195,6 +204,7 @@ async def _forward(request: Request, path: str) -> Response:
         return JSONResponse({"error": {"code": "upstream_unavailable", "message": str(exc)}}, 502)
     # The raw bytes go back still encoded, so their content-encoding goes with them.
     answer_headers = {k: v for k, v in upstream.headers.items() if k.lower() not in HOP_BY_HOP}
+    answer_headers = public_answer_headers(answer_headers, str(client.base_url))
     return StreamingResponse(
         upstream.aiter_raw(),
         status_code=upstream.status_code,
@@ -222,7 +232,7 @@ async def _capture(
     ledger: Ledger = request.app.state.ledger
     metrics: Metrics = request.app.state.metrics
     try:
-        body = json.loads(await request.body())
+        body = await parse_json_body(await request.body())
         if not isinstance(body, dict):
             raise d.InvalidRequest("the request body must be a JSON object")
         upstream = _build_upstream(dialect, body, settings)

@@ -61,6 +61,9 @@ class RemoteLedger:
         if token_encoding not in ("json", "packed-v1"):
             raise ValueError("token_encoding must be 'json' or 'packed-v1'")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
+        # The service refuses state-changing requests without it when it has no tokens (a
+        # cross-site page cannot send it without a CORS preflight); harmless everywhere else.
+        headers["Content-Type"] = "application/json"
         self.url = url.rstrip("/")
         self.token_encoding = token_encoding
         self.retries = retries

@@ -80,6 +80,23 @@ class AuthConfig(BaseModel):
 
     tokens_env: str = "ROLLOUT_LEDGER_TOKENS"
     allow_unauthenticated_remote: bool = False
+    # Per-rollout capture capabilities (HMAC of the rollout id) are minted under this secret;
+    # the proxy sends the key in ``upstream_key_env`` upstream, never what the harness presented.
+    capture_secret_env: str = "ROLLOUT_LEDGER_CAPTURE_SECRET"
+    upstream_key_env: str = "ROLLOUT_LEDGER_UPSTREAM_API_KEY"
+    # Host names accepted besides loopback ones when no tokens are configured (DNS rebinding).
+    allowed_hosts: list[str] = Field(default_factory=list)
+
+
+class ServerConfig(BaseModel):
+    """Connection limits of ``rollout-ledger serve`` (slow or idle clients cannot pile up)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    header_timeout_s: float = Field(default=10.0, gt=0)
+    body_timeout_s: float = Field(default=120.0, gt=0)
+    keep_alive_s: float = Field(default=5.0, gt=0)
+    max_connections: int = Field(default=1024, ge=1)
 
 
 class Settings(BaseModel):
@@ -94,9 +111,15 @@ class Settings(BaseModel):
     token_id_capture_non_generating_requests: list[NonGeneratingRoute] = Field(default_factory=list)
     upstream_timeout_s: float = Field(default=600.0, gt=0)
     upstream_connect_timeout_s: float = Field(default=10.0, gt=0)
-    max_body_bytes: int = Field(default=64 * 1024 * 1024, gt=0)
+    max_body_bytes: int = Field(default=16 * 1024 * 1024, gt=0)
+    # Prompt + generation tokens one record may hold; unset: the upstream's context length
+    # (vLLM's max_model_len, read at startup), else 262144.
+    max_record_tokens: int | None = Field(default=None, gt=0)
+    server: ServerConfig = Field(default_factory=ServerConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
     tokens: dict[str, frozenset[str]] = Field(default_factory=dict, exclude=True)
+    capture_secret: str | None = Field(default=None, exclude=True)
+    upstream_api_key: str | None = Field(default=None, exclude=True)
 
     @field_validator("upstream")
     @classmethod
@@ -161,4 +184,6 @@ def load_settings(config_file: str | Path | None = None, **overrides: Any) -> Se
             lines.append(f"{loc}: {err['msg']}")
         raise ConfigError("invalid configuration:\n  " + "\n  ".join(lines)) from None
     settings.tokens = parse_tokens(os.environ.get(settings.auth.tokens_env, ""))
+    settings.capture_secret = os.environ.get(settings.auth.capture_secret_env) or None
+    settings.upstream_api_key = os.environ.get(settings.auth.upstream_key_env) or None
     return settings

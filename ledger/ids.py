@@ -10,7 +10,8 @@ from ledger.errors import InvalidRolloutId
 
 MAX_ROLLOUT_ID_LEN = 200
 MAX_CALL_ID_LEN = 200
-_ID_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
+# \Z, not $: "$" also matches before a trailing newline, and "nl-1\n" must not be an id.
+_ID_RE = re.compile(r"\A[A-Za-z0-9][A-Za-z0-9._-]*\Z")
 ALLOWED_ID_TEXT = "letters, digits, dots, dashes or underscores, starting with a letter or digit"
 
 

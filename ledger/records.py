@@ -45,6 +45,7 @@ from pydantic import (
 from ledger import codec
 from ledger.errors import InvalidRecord, UnsupportedSchemaVersion
 from ledger.ids import validate_call_id, validate_rollout_id
+from ledger.token_rules import check_created_at, check_log_probs, check_token_ids
 
 __all__ = [
     "GYM_LINEAGE_DEFAULTS",
@@ -150,12 +151,27 @@ class TokenEntry(BaseModel):
     def _call_id(cls, v: str) -> str:
         return validate_call_id(v)
 
-    @field_validator("generation_log_probs")
+    # Before pydantic's lax coercion (which would turn true into 1 and "7" into 7): the same
+    # rules as the proxy's extractor (ledger.token_rules).
+    @field_validator("prompt_token_ids", mode="before")
     @classmethod
-    def _no_nan(cls, v: list[float]) -> list[float]:
-        if any(math.isnan(x) for x in v):
-            raise ValueError("generation_log_probs must not contain NaN")
-        return v
+    def _prompt_ids(cls, v: Any) -> Any:
+        return check_token_ids(v, "prompt_token_ids")
+
+    @field_validator("generation_token_ids", mode="before")
+    @classmethod
+    def _generation_ids(cls, v: Any) -> Any:
+        return check_token_ids(v, "generation_token_ids")
+
+    @field_validator("generation_log_probs", mode="before")
+    @classmethod
+    def _log_probs(cls, v: Any) -> Any:
+        return check_log_probs(v, "generation_log_probs")
+
+    @field_validator("created_at", mode="before")
+    @classmethod
+    def _created_at(cls, v: Any) -> Any:
+        return check_created_at(v)
 
     @model_validator(mode="after")
     def _shape(self) -> TokenEntry:

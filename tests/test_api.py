@@ -140,7 +140,7 @@ async def open_api(
     async with (
         app.router.lifespan_context(app),
         httpx.AsyncClient(
-            transport=httpx.ASGITransport(app), base_url="http://ledger.test", timeout=30
+            transport=httpx.ASGITransport(app), base_url="http://127.0.0.1", timeout=30
         ) as client,
     ):
         yield Api(app, client, settings)
@@ -730,7 +730,12 @@ async def test_no_tokens_means_open_routes(db_url: str, rid: Rid) -> None:
         assert (await a.client.get(f"{V1}/rollouts/{r}")).status_code == 200
 
 
-async def test_proxy_routes_pass_the_harness_credentials_through(db_url: str, rid: Rid) -> None:
+async def test_proxy_routes_with_tokens_need_a_credential_and_never_forward_it(
+    db_url: str, rid: Rid, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 13 point 1: with tokens configured, the proxy wants a capture credential (an
+    ingest token here; capabilities are in tests/test_hardening.py) and sends the configured
+    upstream key upstream, never what the harness presented."""
     seen: list[tuple[str, str | None]] = []
 
     class Body(httpx.AsyncByteStream):
@@ -749,25 +754,29 @@ async def test_proxy_routes_pass_the_harness_credentials_through(db_url: str, ri
             return httpx.Response(200, headers=json_type, stream=Body(b'{"data":[]}'))
         return httpx.Response(503, headers=json_type, stream=Body(b'{"error":"down"}'))
 
+    monkeypatch.setenv("ROLLOUT_LEDGER_UPSTREAM_API_KEY", "sk-configured-upstream-key")
     async for a in open_api(
         db_url, upstream="http://upstream.test/v1", upstream_transport=httpx.MockTransport(upstream)
     ):
-        harness = {"Authorization": "Bearer sk-harness-upstream-key"}
-        models = await a.client.get("/v1/models", headers=harness)
-        assert models.status_code == 200, models.text
+        seen.clear()  # the startup's context-length discovery asked /v1/models
         r = rid("proxy")
-        chat = await a.client.post(
-            f"/ng-rollout/{r}/training-token-capture/v1/chat/completions",
-            json={"model": "smol", "messages": [{"role": "user", "content": "hi"}]},
-            headers=harness,
-        )
+        chat_path = f"/ng-rollout/{r}/training-token-capture/v1/chat/completions"
+        chat_body = {"model": "smol", "messages": [{"role": "user", "content": "hi"}]}
+        # No credential, or one the service does not know: refused, nothing recorded.
+        for headers in ({}, {"Authorization": "Bearer sk-harness-upstream-key"}):
+            assert (await a.client.get("/v1/models", headers=headers)).status_code == 401
+            refused = await a.client.post(chat_path, json=chat_body, headers=headers)
+            assert refused.status_code == 401, refused.text
+        assert (await a.client.get(f"{V1}/rollouts/{r}", headers=AUD)).status_code == 404
+        # A token without the ingest scope is forbidden.
+        assert (await a.client.get("/v1/models", headers=TRN)).status_code == 403
+        models = await a.client.get("/v1/models", headers=ING)
+        assert models.status_code == 200, models.text
+        chat = await a.client.post(chat_path, json=chat_body, headers=ING)
         assert chat.status_code >= 500  # the upstream failed; the harness hears it
-        # A ledger token on a proxy route is the harness's business: forwarded, not checked.
-        await a.client.get("/v1/models", headers=TRN)
         assert seen == [
-            ("/v1/models", "Bearer sk-harness-upstream-key"),
-            ("/v1/chat/completions", "Bearer sk-harness-upstream-key"),
-            ("/v1/models", "Bearer tok-trainer"),
+            ("/v1/models", "Bearer sk-configured-upstream-key"),
+            ("/v1/chat/completions", "Bearer sk-configured-upstream-key"),
         ]
         text = await a.metrics()
         assert 'rollout_ledger_upstream_errors_total{kind="503"} 1.0' in text
@@ -972,6 +981,7 @@ async def test_proxy_incomplete_marks_are_counted_by_reason(db_url: str, rid: Ri
         await a.client.post(
             f"/ng-rollout/{r}/training-token-capture/v1/chat/completions",
             json={"model": "smol", "messages": [{"role": "user", "content": "hi"}]},
+            headers=ING,  # with tokens configured the proxy needs a capture credential
         )
         text = await a.metrics()
         assert 'rollout_ledger_upstream_errors_total{kind="transport"} 1.0' in text
