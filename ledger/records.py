@@ -24,7 +24,6 @@ and then fails to read the record back).
 from __future__ import annotations
 
 import hashlib
-import math
 import struct
 from array import array
 from collections.abc import Mapping
