@@ -8,7 +8,7 @@ A Gym or NeMo RL config names them as ``ledger.gym:CaptureSink`` (``token_id_cap
 committed writes at once: every write is committed before its call returns.
 
 They satisfy the protocols of the released nemo-gym 0.7.0 (``TokenSink``, ``TokenSource``,
-``LineageResolver``; ``docs/gym-compatibility.md`` goes through every point):
+``LineageResolver``, ``CaptureLedger``; ``docs/gym-compatibility.md`` goes through every point):
 
 - ``CaptureSink.put`` takes the release's ``TokenEntry`` (or a dict, or the ledger's own), keeps
   every field Gym's builder reads, and follows the release's "same payload" rule: the identical
@@ -18,7 +18,7 @@ They satisfy the protocols of the released nemo-gym 0.7.0 (``TokenSink``, ``Toke
   suffix prompt), so the release's builder reads them;
 - ``CaptureLineageStore.resolve(rollout_id, request_items)`` answers 0.7.0's ``LineageResolution``
   (``ledger.gym_lineage``); ``resolve_prompt(rollout_id, prompt_token_ids)`` is the ledger's own
-  token-prefix lookup (what the ``/lineage/resolve`` route serves).
+  token-prefix lookup (what the ``/lineage/resolve`` route serves);
 - ``CaptureLineageStore`` is also 0.7.0's ``CaptureLedger`` for external staging (``record``,
   ``record_failure``, ``manifest``, ``has_rows``: token-free custody rows, ``ledger.custody``).
 """
