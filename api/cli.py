@@ -44,9 +44,9 @@ def _register(app: typer.Typer) -> None:
             Path | None, typer.Option(help="YAML config file (keys: docs/operations.md).")
         ] = None,
         host: Annotated[
-            str | None, typer.Option(help="Listen address [default: 127.0.0.1].")
+            str | None, typer.Option(help="Listen address (default: 127.0.0.1).")
         ] = None,
-        port: Annotated[int | None, typer.Option(help="Listen port [default: 8080].")] = None,
+        port: Annotated[int | None, typer.Option(help="Listen port (default: 8080).")] = None,
         allow_unauthenticated: Annotated[
             bool, typer.Option(help="Listen beyond loopback without API tokens (not advised).")
         ] = False,
@@ -166,7 +166,7 @@ def _register(app: typer.Typer) -> None:
         db: Annotated[
             str | None,
             typer.Option(
-                "--db", help="Ledger URL [default: a SQLite file in a temporary directory]."
+                "--db", help="Ledger URL (default: a SQLite file in a temporary directory)."
             ),
         ] = None,
     ) -> None:

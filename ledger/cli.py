@@ -180,6 +180,8 @@ def db_current(db: DbOption = DEFAULT_DB_URL) -> None:
     if path is not None and not path.is_file():
         asyncio.run(require_ledger(db))  # raises NoLedger, creates nothing
     current = asyncio.run(migrate.current_revision(db))
+    if current is None:
+        asyncio.run(require_ledger(db))  # no ledger tables: NoLedger, nothing created
     typer.echo(f"current: {current}\nhead: {migrate.head_revision()}")
 
 

@@ -386,8 +386,8 @@ def register(app: typer.Typer) -> None:
                 min=0.0,
                 max=1.0,
                 help="Stop when more than this fraction of finalized rollouts is masked "
-                f"[default: token_id_capture.max_mask_fraction, else {DEFAULT_MAX_MASK_FRACTION}; "
-                "1 turns the guard off].",
+                f"(default: token_id_capture.max_mask_fraction, else {DEFAULT_MAX_MASK_FRACTION}; "
+                "1 turns the guard off).",
                 show_default=False,
             ),
         ] = None,
@@ -396,8 +396,8 @@ def register(app: typer.Typer) -> None:
             typer.Option(
                 min=0,
                 help="Finalized rollouts before the mask-fraction guard can stop the run "
-                f"[default: token_id_capture.mask_fraction_min_samples, else "
-                f"{DEFAULT_MIN_SAMPLES}].",
+                f"(default: token_id_capture.mask_fraction_min_samples, else "
+                f"{DEFAULT_MIN_SAMPLES}).",
                 show_default=False,
             ),
         ] = None,
@@ -643,6 +643,10 @@ def _collect(
     total = _count_lines(input)
 
     async def main() -> CollectReport:
+        if not db.startswith(("http://", "https://")):
+            from ledger.presence import require_ledger
+
+            await require_ledger(db)  # before the progress bar: a missing ledger is one line
         source = open_backend(db, token=token)
         progress = Progress(
             TextColumn("[bold]collect"),
