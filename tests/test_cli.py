@@ -360,3 +360,19 @@ def test_the_cli_default_database_is_the_engine_default() -> None:
     from ledger.engine import DEFAULT_DB_URL
 
     assert ledger.cli.DEFAULT_DB_URL == ledger.cli_ops.DEFAULT_DB_URL == DEFAULT_DB_URL
+
+
+def test_conformance_deletes_the_rollouts_it_wrote(db_url: str) -> None:
+    """Issue 14 point 12: the kit leaves the ledger it checks as it found it."""
+    import json
+
+    def ids() -> set[str]:
+        res = cli("audit", "list", "--db", db_url, "--json", "--limit", "100000")
+        assert res.returncode == 0, res.stderr
+        return {i["rollout_id"] for i in json.loads(res.stdout)}
+
+    before = ids()
+    res = cli("conformance", "--db", db_url)
+    assert res.returncode == 0, res.stderr
+    assert "checks passed" in res.stdout
+    assert {r for r in ids() - before if r.startswith("conformance-")} == set()

@@ -345,3 +345,18 @@ async def test_resume_rebuilds_rows_an_older_collect_masked_for_a_ledger_failure
     assert sorted(r["_ng_rollout_id"] for r in rows) == sorted(ids)
     assert all("mask_sample" not in r for r in rows)
     assert report.reprocessed_source_errors == 1 and report.written == 2
+
+
+async def test_a_rollout_whose_calls_all_failed_to_record_names_that_cause(
+    ledger: Ledger, rid: Rid
+) -> None:
+    """Issue 14 point 7: not "did not reach the proxy" when the proxy saw the call."""
+    from ledger.delivery import finalize_rollout_token_capture
+
+    r = rid("bad-payload")
+    await ledger.mark_incomplete(r, "c0", reason="malformed_token_payload", detail="56 ids, 55")
+    result = result_for(r)
+    build = await finalize_rollout_token_capture(result, ledger)
+    assert build is not None and build["mask_sample"]
+    error = result["_ng_token_capture"]["error"]
+    assert "malformed_token_payload" in error and "did not reach" not in error
