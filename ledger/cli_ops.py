@@ -125,6 +125,8 @@ def health_table(report: CollectReport) -> Table:
         t.add_row("rebuilt after a ledger failure", str(report.reprocessed_source_errors))
     t.add_row("malformed input lines", str(len(report.malformed_lines)))
     t.add_row("duplicate rollout ids (not delivered)", str(len(report.duplicate_rows)))
+    if report.already_retired:
+        t.add_row("delivered by an earlier run, not here", str(len(report.already_retired)))
     t.add_row("masked", f"{report.masked} ({report.mask_fraction:.1%})")
     for reason, n in report.mask_reasons.most_common():
         t.add_row(f"  masked: {reason}", str(n))
@@ -473,7 +475,20 @@ def register(app: typer.Typer) -> None:
                 f"[yellow]warning:[/] {input}:{line}: rollout {rid} already appears on line "
                 f"{first}; only line {first} is delivered (duplicate rollout id)"
             )
+        for line, rid in report.already_retired:
+            err.print(
+                f"[yellow]warning:[/] {input}:{line}: rollout {rid} was already delivered and "
+                "retired by an earlier collect; its row is not in this output and cannot be "
+                "rebuilt"
+            )
         _print_report(report, as_json)
+        if report.already_retired:
+            fail(
+                f"{len(report.already_retired)} rollout(s) were delivered by an earlier run into "
+                f"another output (or one since deleted) and are not in {output}: restore that "
+                "output; their records are retired",
+                1,
+            )
 
     @audit_app.command("list")
     def audit_list(

@@ -21,6 +21,8 @@ What ``collect`` refuses to do (issue 14):
   from the output on resume and built again;
 * deliver one rollout twice: when two input rows carry the same rollout id, the first (lowest
   line number) is processed and every later one is reported in ``duplicate_rows``, unwritten;
+  a row whose rollout an earlier run already delivered and retired (but whose row is not in
+  this output) is reported in ``already_retired``, unwritten: its records are gone;
 * read and write the same file, or create an output directory that does not exist.
 """
 
@@ -94,6 +96,9 @@ class CollectReport:
     retired_on_resume: int = 0
     malformed_lines: list[tuple[int, str]] = field(default_factory=list)
     duplicate_rows: list[tuple[int, str, int]] = field(default_factory=list)
+    # Rows whose rollout an earlier run delivered and retired, but that are not in this output
+    # (the output was deleted, or another output was named): they cannot be rebuilt.
+    already_retired: list[tuple[int, str]] = field(default_factory=list)
     reprocessed_source_errors: int = 0
     mask_reasons: Counter[str] = field(default_factory=Counter)
     delivered_fraction: Counter[str] = field(default_factory=Counter)
@@ -120,6 +125,7 @@ class CollectReport:
                 for n, rid, first in self.duplicate_rows
             ],
             "reprocessed_source_errors": self.reprocessed_source_errors,
+            "already_retired": [{"line": n, "rollout_id": rid} for n, rid in self.already_retired],
             "mask_reasons": dict(self.mask_reasons.most_common()),
             "delivered_fraction": dict(sorted(self.delivered_fraction.items())),
             "chains": dict(sorted(self.chains.items())),
@@ -151,6 +157,14 @@ def infrastructure_error(build: dict[str, Any] | None) -> str | None:
     error = str((build.get("metrics") or {}).get("error") or "the capture source failed")
     kind = error.split(":", 1)[0].strip()
     return None if kind in _ROW_ERRORS else error
+
+
+def _retired_earlier(build: dict[str, Any] | None) -> bool:
+    """The rollout was delivered and retired before: nothing is left to rebuild."""
+    if not build or "source_error" not in (build.get("mask_reasons") or []):
+        return False
+    error = str((build.get("metrics") or {}).get("error") or "")
+    return error.split(":", 1)[0].strip() == "RolloutRetired"
 
 
 def _never_built(row: dict[str, Any]) -> bool:
@@ -351,6 +365,10 @@ async def collect(
                     f"stopped and did not write that row: {broken.splitlines()[0]}"
                 )
                 stop.set()
+                return
+            if _retired_earlier(build):
+                # Never a second (masked) row for a delivered rollout; the caller is told.
+                report.already_retired.append((line_no, str((build or {}).get("rollout_id"))))
                 return
             report.finalized += 1
             masked = bool(row.get("mask_sample"))

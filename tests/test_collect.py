@@ -360,3 +360,27 @@ async def test_a_rollout_whose_calls_all_failed_to_record_names_that_cause(
     assert build is not None and build["mask_sample"]
     error = result["_ng_token_capture"]["error"]
     assert "malformed_token_payload" in error and "did not reach" not in error
+
+
+def test_cli_collect_into_a_new_output_never_remasks_delivered_rollouts(
+    db_url: str, rid: Rid, tmp_path: Path
+) -> None:
+    """Issue 14 point 2: after the output is deleted, delivered rollouts are reported, not
+    written back masked, and the run does not claim success."""
+
+    async def setup() -> list[str]:
+        led = Ledger(db_url)
+        try:
+            return await good_rollouts(led, rid, 2)
+        finally:
+            await led.close()
+
+    ids = asyncio.run(setup())
+    src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    write_rows(src, [result_for(r) for r in ids])
+    assert cli("collect", "--db", db_url, "-i", str(src), "-o", str(dst)).returncode == 0
+    dst.unlink()
+    res = cli("collect", "--db", db_url, "-i", str(src), "-o", str(dst))
+    assert res.returncode == 1, res.stderr
+    assert "already delivered and retired" in res.stderr
+    assert not dst.exists() or read_rows(dst) == []
