@@ -223,13 +223,17 @@ def test_passwords_never_appear_in_errors(tmp_path: Path) -> None:
 def test_a_second_demo_on_the_same_database_works(tmp_path: Path) -> None:
     db = f"sqlite+aiosqlite:///{tmp_path / 'demo.db'}"
     assert cli("db", "upgrade", "--db", db).returncode == 0
-    before = set(Path(os.environ.get("TMPDIR", "/tmp")).glob("rollout-ledger-demo-*"))
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
     for _ in range(2):
-        res = cli("demo", "--db", db, env=clean_env(COLUMNS="200"))
+        res = cli("demo", "--db", db, env=clean_env(COLUMNS="200", TMPDIR=str(scratch)))
         assert res.returncode == 0, res.stderr[-2000:]
         assert "delivered" in res.stdout
-    after = set(Path(os.environ.get("TMPDIR", "/tmp")).glob("rollout-ledger-demo-*"))
-    assert after <= before  # each run removed its temporary directory
+    assert list(scratch.iterdir()) == []  # each run removed its temporary directory
+    # Without --db the ledger lives in that temporary directory and goes with it.
+    res = cli("demo", env=clean_env(COLUMNS="200", TMPDIR=str(scratch)), cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert list(scratch.iterdir()) == []
 
 
 # --------------------------------------------------------------------------- read-only commands
