@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import tempfile
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -170,10 +172,22 @@ def _health_table(metrics: dict[str, Any], retired: bool) -> Table:
 
 
 def run_demo(db: str | None = None, console: Console | None = None) -> dict[str, Any]:
-    """Run the scripted demo; returns the delivered rollout result."""
+    """Run the scripted demo; returns the delivered rollout result.
+
+    Each run uses a fresh rollout id (so a second run on the same ``--db`` works) and removes
+    its temporary directory (and the default SQLite ledger in it) when it ends.
+    """
     console = console or Console()
     workdir = Path(tempfile.mkdtemp(prefix="rollout-ledger-demo-"))
+    try:
+        return _run_demo(db, console, workdir)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _run_demo(db: str | None, console: Console, workdir: Path) -> dict[str, Any]:
     db_url = db or f"sqlite+aiosqlite:///{workdir / 'demo.db'}"
+    rollout_id = f"demo-{uuid.uuid4().hex[:8]}"
     console.print(
         Panel.fit(
             "[bold yellow]The inference engine in this demo is SIMULATED[/] (a built-in fake "
@@ -189,7 +203,7 @@ def run_demo(db: str | None = None, console: Console | None = None) -> dict[str,
         settings = load_settings(db=db_url, upstream=upstream.url)
         with ThreadedServer(create_app(settings), lifespan="on", startup_timeout=60) as proxy:
             console.print(f"engine {upstream.url} · proxy {proxy.url} · ledger {db_url}")
-            result = run_agent(proxy.url, "demo-1")
+            result = run_agent(proxy.url, rollout_id)
     detail, build, retired = asyncio.run(_deliver(db_url, result))
     console.print(_calls_table(detail))
     console.print(_chain_table(result))
@@ -197,5 +211,5 @@ def run_demo(db: str | None = None, console: Console | None = None) -> dict[str,
     verdict = (
         "[green]delivered[/]" if build["outcome"] == "delivered" else f"[red]{build['outcome']}[/]"
     )
-    console.print(f"rollout demo-1: {verdict}; the chain above is what a trainer reads.")
+    console.print(f"rollout {rollout_id}: {verdict}; the chain above is what a trainer reads.")
     return result

@@ -404,6 +404,7 @@ class RolloutItem(BaseModel):
     mask_reasons: list[str]
     delivered_fraction: float | None
     chains: int | None
+    incomplete_reasons: list[str] = []
 
 
 class RolloutPage(BaseModel):

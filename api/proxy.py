@@ -46,7 +46,7 @@ from api.guard import local_answer, public_answer_headers
 from api.limits import parse_json_body
 from api.metrics import Metrics
 from ledger.config import NonGeneratingRoute, Settings
-from ledger.errors import LedgerError, RolloutFrozen
+from ledger.errors import LedgerError, RolloutFrozen, RolloutRetired
 from ledger.fingerprint import continuation_fingerprint, model_authored_fingerprint
 from ledger.ids import ALLOWED_ID_TEXT, MAX_ROLLOUT_ID_LEN, is_valid_id
 from ledger.store import Ledger
@@ -602,6 +602,8 @@ def _error_response(reply: d.ErrorReply, *, stream: bool, dialect: d.Dialect) ->
 
 
 def _custody_failure(dialect: d.Dialect, exc: LedgerError) -> Response:
+    if isinstance(exc, RolloutFrozen | RolloutRetired):
+        return _closed_rollout(dialect, exc)
     message = (
         f"the capture ledger could not record this call before dispatch ({exc.message}); "
         "the call was not sent to the model"
@@ -617,8 +619,34 @@ def _custody_failure(dialect: d.Dialect, exc: LedgerError) -> Response:
                 "code": "capture_unavailable",
             }
         }
-    status = 409 if isinstance(exc, RolloutFrozen) else 503
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(body, status_code=503)
+
+
+def _closed_rollout(dialect: d.Dialect, exc: LedgerError) -> Response:
+    """A frozen or retired rollout id is the client's mistake: 400, never retried by SDKs."""
+    closed = "retired" if isinstance(exc, RolloutRetired) else "frozen"
+    message = (
+        f"rollout {exc.rollout_id or ''} is {closed}: its capture was already "
+        f"{'delivered and retired' if closed == 'retired' else 'frozen for delivery'}, so it "
+        "takes no more calls; start the next rollout under a new id "
+        "(/ng-rollout/<new id>/training-token-capture/)"
+    )
+    if dialect is d.Dialect.ANTHROPIC:
+        body: dict[str, Any] = {
+            "type": "error",
+            "error": {"type": "invalid_request_error", "message": message},
+        }
+    else:
+        body = {
+            "error": {
+                "message": message,
+                "type": "invalid_request_error",
+                "param": None,
+                "code": f"rollout_{closed}",
+            }
+        }
+    # ``x-should-retry: false``: the OpenAI and Anthropic SDKs honour it before the status.
+    return JSONResponse(body, status_code=400, headers={"x-should-retry": "false"})
 
 
 # --------------------------------------------------------------------------- other routes

@@ -1,30 +1,110 @@
-"""``collect`` and ``audit`` commands (registered on the main Typer app in ``ledger.cli``)."""
+"""``collect`` and ``audit`` commands (registered on the main Typer app in ``ledger.cli``).
+
+``audit`` reads a ledger directly (a database URL) or through a ``rollout-ledger serve`` (an
+``http(s)://`` URL with ``--token`` of the ``audit`` scope).  It never creates or migrates a
+ledger.  Output is the same either way: timestamps in ISO 8601 UTC (``2026-12-01T14:32:21Z``),
+ids never truncated (columns fold on a terminal; ``--wide``, or any output that is not a
+terminal, prints each row on one line).
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
-from datetime import datetime
+import re
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from ledger.collect import CollectAborted, CollectReport, collect
-from ledger.config import ConfigError, load_settings
-from ledger.engine import DEFAULT_DB_URL
+from ledger.cli_errors import fail
 
-out = Console()
-err = Console(stderr=True)
+if TYPE_CHECKING:
+    from ledger.collect import CollectReport
+
+DEFAULT_DB_URL = "sqlite+aiosqlite:///rollout-ledger.db"
+
+# The safe default guard (issue 14 point 4): a run where more than half of at least ten
+# finalized rollouts are masked stops instead of writing mostly token-less data.  Gym's own
+# config default is ``null`` (off); set ``--max-mask-fraction 1`` to turn the guard off.
+DEFAULT_MAX_MASK_FRACTION = 0.5
+DEFAULT_MIN_SAMPLES = 10
+
+err = Console(stderr=True, soft_wrap=True)
 
 DbOption = Annotated[
     str,
-    typer.Option("--db", envvar="ROLLOUT_LEDGER_DB", help="Database URL or http(s) ledger URL."),
+    typer.Option(
+        "--db",
+        envvar="ROLLOUT_LEDGER_DB",
+        help="Ledger: a database URL (sqlite+aiosqlite:///FILE, postgresql+asyncpg://…) or the "
+        "http(s):// URL of a `rollout-ledger serve`.",
+        show_default=True,
+    ),
+]
+TokenOption = Annotated[
+    str | None,
+    typer.Option(
+        "--token",
+        envvar="ROLLOUT_LEDGER_TOKEN",
+        help="API token for an http(s):// ledger.",
+        show_default=False,
+    ),
 ]
 JsonFlag = Annotated[bool, typer.Option("--json", help="Print JSON for scripts.")]
+WideFlag = Annotated[
+    bool,
+    typer.Option(
+        "--wide", help="One line per row, nothing folded (the default when not on a terminal)."
+    ),
+]
+
+_RELATIVE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([smhdw])\s*$")
+_UNITS = {"s": "seconds", "m": "minutes", "h": "hours", "d": "days", "w": "weeks"}
+
+
+def parse_since(value: str | None, *, now: datetime | None = None) -> datetime | None:
+    """``1h``, ``30m``, ``2d`` (ago), or an ISO 8601 time (UTC when it has no offset)."""
+    if value is None or value == "":
+        return None
+    match = _RELATIVE.match(value)
+    if match:
+        delta = timedelta(**{_UNITS[match.group(2)]: float(match.group(1))})
+        return (now or datetime.now(UTC)) - delta
+    try:
+        when = datetime.fromisoformat(value.strip().replace("Z", "+00:00"))
+    except ValueError:
+        fail(
+            f"--since {value!r} is neither a relative age (30m, 1h, 2d, 1w) nor an ISO 8601 "
+            "time (2026-12-01T14:00:00Z)"
+        )
+    return when if when.tzinfo else when.replace(tzinfo=UTC)
+
+
+def ts(value: Any) -> str:
+    """One timestamp format everywhere: ISO 8601 UTC to the second, ``Z`` suffix."""
+    if value is None or value == "":
+        return ""
+    when = value if isinstance(value, datetime) else datetime.fromisoformat(str(value))
+    when = when if when.tzinfo else when.replace(tzinfo=UTC)
+    return when.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def _stdout(wide: bool) -> Console:
+    probe = Console()
+    if wide or not probe.is_terminal:
+        return Console(width=100_000, soft_wrap=True)
+    return probe
+
+
+def _table(title: str, cols: tuple[str, ...]) -> Table:
+    t = Table(title=title, title_justify="left")
+    for col in cols:
+        t.add_column(col, overflow="fold")
+    return t
 
 
 def _count_lines(path: Path) -> int:
@@ -41,7 +121,12 @@ def health_table(report: CollectReport) -> Table:
     t.add_row("written (fsynced)", str(report.written))
     t.add_row("retired", str(report.retired + report.retired_on_resume))
     t.add_row("already written (resume)", str(report.skipped_already_written))
+    if report.reprocessed_source_errors:
+        t.add_row("rebuilt after a ledger failure", str(report.reprocessed_source_errors))
     t.add_row("malformed input lines", str(len(report.malformed_lines)))
+    t.add_row("duplicate rollout ids (not delivered)", str(len(report.duplicate_rows)))
+    if report.already_retired:
+        t.add_row("delivered by an earlier run, not here", str(len(report.already_retired)))
     t.add_row("masked", f"{report.masked} ({report.mask_fraction:.1%})")
     for reason, n in report.mask_reasons.most_common():
         t.add_row(f"  masked: {reason}", str(n))
@@ -52,209 +137,482 @@ def health_table(report: CollectReport) -> Table:
     return t
 
 
+# --------------------------------------------------------------------------- audit sources
+
+
+class _LocalAudit:
+    """Audit queries straight from a database (never creates or migrates it)."""
+
+    def __init__(self, db: str) -> None:
+        from ledger.cli import open_ledger
+
+        self._ledger = open_ledger(db)
+
+    async def list(self, **kw: Any) -> list[dict[str, Any]]:
+        from ledger.store import Audit
+
+        items, _ = await Audit(self._ledger).list_rollouts(**kw)
+        return [_summary_dict(i) for i in items]
+
+    async def show(self, rollout_id: str) -> dict[str, Any]:
+        from ledger.store import Audit
+
+        detail: dict[str, Any] = await Audit(self._ledger).rollout_detail(rollout_id)
+        return detail
+
+    async def stats(self, since: datetime | None) -> dict[str, Any]:
+        from ledger.store import Audit
+
+        await self._ledger.ensure_schema()  # NoLedger before any query
+        stats: dict[str, Any] = await Audit(self._ledger).stats(since=since)
+        return stats
+
+    async def close(self) -> None:
+        await self._ledger.close()
+
+
+class _RemoteAudit:
+    """The same queries through a ledger service's ``/ledger/v1`` audit routes."""
+
+    def __init__(self, url: str, token: str | None) -> None:
+        import httpx
+
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self.url = url.rstrip("/")
+        self._http = httpx.AsyncClient(
+            base_url=self.url + "/ledger/v1", headers=headers, timeout=60.0
+        )
+
+    async def _get(self, path: str, params: dict[str, Any] | None = None) -> Any:
+        import httpx
+
+        from ledger.errors import AccessDenied, NotFound, Unavailable
+
+        try:
+            resp = await self._http.get(path, params=params)
+        except httpx.HTTPError as exc:
+            raise Unavailable(f"ledger service unreachable at {self.url}: {exc}") from exc
+        if resp.status_code == 200:
+            return resp.json()
+        try:
+            message = str(resp.json()["error"]["message"])
+        except (ValueError, KeyError, TypeError):
+            message = resp.text[:200] or f"HTTP {resp.status_code}"
+        if resp.status_code in (401, 403):
+            raise AccessDenied(
+                f"the ledger service at {self.url} refused the token ({message}); audit needs "
+                "a token with the audit scope"
+            )
+        if resp.status_code == 404:
+            raise NotFound(message)
+        raise Unavailable(
+            f"the ledger service at {self.url} answered {resp.status_code}: {message}"
+        )
+
+    async def list(self, **kw: Any) -> list[dict[str, Any]]:
+        limit = int(kw.pop("limit"))
+        params = {k: v for k, v in kw.items() if v is not None}
+        if isinstance(params.get("since"), datetime):
+            params["since"] = params["since"].isoformat()
+        if "masked" in params:
+            params["masked"] = "true" if params["masked"] else "false"
+        items: list[dict[str, Any]] = []
+        cursor: str | None = None
+        while len(items) < limit:
+            query = {**params, "limit": min(1000, limit - len(items))}
+            if cursor:
+                query["cursor"] = cursor
+            page = await self._get("/rollouts", query)
+            items.extend(page["items"])
+            cursor = page.get("next_cursor")
+            if not cursor:
+                break
+        return items[:limit]
+
+    async def show(self, rollout_id: str) -> dict[str, Any]:
+        detail: dict[str, Any] = await self._get(f"/rollouts/{rollout_id}")
+        return detail
+
+    async def stats(self, since: datetime | None) -> dict[str, Any]:
+        stats: dict[str, Any] = await self._get(
+            "/stats", {"since": since.isoformat()} if since else None
+        )
+        return stats
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+
+def _summary_dict(item: Any) -> dict[str, Any]:
+    return {
+        "rollout_id": item.rollout_id,
+        "state": item.state,
+        "incomplete": item.incomplete,
+        "version": item.version,
+        "n_calls": item.n_calls,
+        "created_at": item.created_at,
+        "updated_at": item.updated_at,
+        "outcome": item.outcome,
+        "mask_reasons": list(item.mask_reasons),
+        "incomplete_reasons": list(item.incomplete_reasons),
+        "delivered_fraction": item.delivered_fraction,
+        "chains": item.chains,
+    }
+
+
+def _audit_source(db: str, token: str | None) -> Any:
+    if db.startswith(("http://", "https://")):
+        return _RemoteAudit(db, token)
+    return _LocalAudit(db)
+
+
+def _run(db: str, token: str | None, body: Any) -> Any:
+    from ledger.cli import check_db_url
+
+    check_db_url(db, allow_http=True)
+
+    async def main() -> Any:
+        source = _audit_source(db, token)
+        try:
+            return await body(source)
+        finally:
+            await source.close()
+
+    return asyncio.run(main())
+
+
+# Reasons a rollout can carry even when no rollout in the ledger has it yet.
+_OTHER_REASONS = (
+    "source_error",
+    "no_capture_key",
+    "malformed_rollout_id",
+    "upstream_error",
+    "missing_token_ids",
+    "malformed_token_payload",
+    "capture_failed",
+    "unrecognized_route",
+    "dangling_intent",
+)
+
+
+async def _check_reason(source: Any, reason: str | None) -> None:
+    """``--reason`` must name a reason the ledger knows; otherwise say which ones exist."""
+    if reason is None:
+        return
+    from ledger.builder import MASK_REASONS
+
+    stats = await source.stats(None)
+    known = set(MASK_REASONS) | set(_OTHER_REASONS)
+    known |= set(stats.get("mask_reasons") or {}) | set(
+        stats.get("incomplete_events_by_reason") or {}
+    )
+    if reason not in known:
+        fail(f"unknown reason {reason!r}: use one of {', '.join(sorted(known))}")
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, datetime):
+        return ts(value)
+    if isinstance(value, dict):
+        return {
+            k: ts(v) if k.endswith("_at") and isinstance(v, str) and v else _jsonable(v)
+            for k, v in value.items()
+        }
+    if isinstance(value, list):
+        return [_jsonable(v) for v in value]
+    return value
+
+
+def _reasons_cell(item: dict[str, Any]) -> str:
+    reasons = list(item.get("mask_reasons") or [])
+    causes = list(item.get("incomplete_reasons") or [])
+    cells = []
+    for r in reasons:
+        cells.append(f"{r} ({', '.join(causes)})" if r == "capture_incomplete" and causes else r)
+    return ", ".join(cells)
+
+
+def _rollout_table(title: str, items: list[dict[str, Any]]) -> Table:
+    t = _table(
+        title,
+        ("rollout", "state", "calls", "chains", "delivered", "outcome", "reasons", "updated"),
+    )
+    for i in items:
+        frac = i.get("delivered_fraction")
+        t.add_row(
+            i["rollout_id"],
+            i["state"],
+            str(i["n_calls"]),
+            str(i.get("chains") or ""),
+            "" if frac is None else f"{frac:.2f}",
+            i.get("outcome") or "",
+            _reasons_cell(i),
+            ts(i.get("updated_at")),
+        )
+    return t
+
+
 def register(app: typer.Typer) -> None:
     audit_app = typer.Typer(
-        help="Why were rollouts masked? Inspect the ledger.", no_args_is_help=True
+        help="Why were rollouts masked? Read the ledger (never changes it).",
+        no_args_is_help=True,
     )
-    app.add_typer(audit_app, name="audit")
 
     @app.command("collect")
     def collect_cmd(
-        input: Annotated[Path, typer.Option("--input", "-i", help="Rollout results (JSONL).")],
-        output: Annotated[Path, typer.Option("--output", "-o", help="Rebuilt rollouts (JSONL).")],
+        input: Annotated[
+            Path,
+            typer.Option(
+                "--input",
+                "-i",
+                help="Rollout results, one JSON object per line (see docs/operations.md).",
+            ),
+        ],
+        output: Annotated[
+            Path,
+            typer.Option(
+                "--output",
+                "-o",
+                help="Rebuilt rollouts (JSONL); appended to, so a re-run resumes. Its directory "
+                "must exist.",
+            ),
+        ],
         db: DbOption = DEFAULT_DB_URL,
         config: Annotated[
-            Path | None, typer.Option(help="YAML config (token_id_capture keys).")
+            Path | None,
+            typer.Option(help="YAML config; its token_id_capture keys set the limits below."),
         ] = None,
         max_mask_fraction: Annotated[
-            float | None, typer.Option(help="Abort when the masked fraction exceeds this.")
+            float | None,
+            typer.Option(
+                min=0.0,
+                max=1.0,
+                help="Stop when more than this fraction of finalized rollouts is masked "
+                f"(default: token_id_capture.max_mask_fraction, else {DEFAULT_MAX_MASK_FRACTION}; "
+                "1 turns the guard off).",
+                show_default=False,
+            ),
         ] = None,
         min_samples: Annotated[
-            int | None, typer.Option(help="Finalized rollouts before the limit applies.")
+            int | None,
+            typer.Option(
+                min=0,
+                help="Finalized rollouts before the mask-fraction guard can stop the run "
+                f"(default: token_id_capture.mask_fraction_min_samples, else "
+                f"{DEFAULT_MIN_SAMPLES}).",
+                show_default=False,
+            ),
         ] = None,
-        concurrency: Annotated[int, typer.Option(min=1, max=256)] = 8,
-        deliver: Annotated[str, typer.Option(help="one | all-chains")] = "one",
-        token: Annotated[str | None, typer.Option(envvar="ROLLOUT_LEDGER_TOKEN")] = None,
+        concurrency: Annotated[
+            int, typer.Option(min=1, max=256, help="Rollouts finalized at once.", show_default=True)
+        ] = 8,
+        deliver: Annotated[
+            str,
+            typer.Option(
+                help="one: the rollout's terminal chain; all-chains: one row per verified chain.",
+                show_default=True,
+            ),
+        ] = "one",
+        token: TokenOption = None,
         as_json: JsonFlag = False,
     ) -> None:
-        """Finalize rollout results, write each durably (fsync), then retire its records."""
-        from ledger.gym import open_backend
+        """Rebuild rollout results from the ledger, write each durably (fsync), then retire it.
+
+        Stops (exit 1, nothing masked written) when the ledger fails or refuses the token;
+        stops (exit 3) when the mask-fraction guard fires.  Re-run it with the same arguments
+        to resume: written rows are kept, the rest are processed.
+        """
+        from ledger.cli import check_db_url
+        from ledger.collect import CollectAborted, CollectFailed, CollectRefused, check_paths
+        from ledger.config import ConfigError, load_settings
 
         if deliver not in ("one", "all-chains"):
-            raise typer.BadParameter("--deliver must be 'one' or 'all-chains'")
-        if not input.exists():
-            err.print(f"[red]error:[/] input file {input} does not exist")
-            raise typer.Exit(2)
+            fail(f"--deliver must be 'one' or 'all-chains'; got {deliver!r}")
+        try:
+            check_paths(input, output)
+        except CollectRefused as exc:
+            fail(str(exc))
         try:
             settings = load_settings(config, db=db if db != DEFAULT_DB_URL else None)
         except ConfigError as exc:
-            err.print(f"[red]error:[/] {exc}")
-            raise typer.Exit(2) from None
+            fail(" ".join(str(exc).split()))
+        check_db_url(settings.db, allow_http=True)
         cap = settings.token_id_capture
-        limit = max_mask_fraction if max_mask_fraction is not None else cap.max_mask_fraction
-        floor = min_samples if min_samples is not None else cap.mask_fraction_min_samples
-        total = _count_lines(input)
-
-        async def main() -> CollectReport:
-            source = open_backend(settings.db, token=token)
-            progress = Progress(
-                TextColumn("[bold]collect"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("masked {task.fields[masked]}"),
-                TimeElapsedColumn(),
-                console=err,
-                disable=as_json,
+        limit = max_mask_fraction
+        if limit is None and "max_mask_fraction" in cap.model_fields_set:
+            limit = cap.max_mask_fraction
+        elif limit is None:
+            limit = DEFAULT_MAX_MASK_FRACTION
+        floor = min_samples
+        if floor is None:
+            floor = (
+                cap.mask_fraction_min_samples
+                if "mask_fraction_min_samples" in cap.model_fields_set
+                else DEFAULT_MIN_SAMPLES
             )
-            task = progress.add_task("rows", total=total, masked=0)
-
-            def tick(r: CollectReport) -> None:
-                progress.update(
-                    task, completed=r.written + r.skipped_already_written, masked=r.masked
-                )
-
-            try:
-                with progress:
-                    return await collect(
-                        source,
-                        input,
-                        output,
-                        max_mask_fraction=limit,
-                        min_samples=floor,
-                        concurrency=concurrency,
-                        deliver=deliver,
-                        on_progress=tick,
-                    )
-            finally:
-                await source.close()
-
+        if limit is not None and limit >= 1.0:
+            limit = None
         try:
-            report = asyncio.run(main())
-        except CollectAborted as exc:
-            if as_json:
-                print(json.dumps(exc.report.as_dict(), indent=2))
-            else:
-                out.print(health_table(exc.report))
-            err.print(f"[bold red]aborted:[/] {exc}")
-            raise typer.Exit(3) from None
-        for line, message in report.malformed_lines:
-            err.print(
-                f"[yellow]warning:[/] {input}:{line}: malformed row skipped: {message}",
-                soft_wrap=True,
+            report = _collect(
+                settings.db, token, input, output, limit, floor, concurrency, deliver, as_json
             )
+        except CollectFailed as exc:
+            _print_report(exc.report, as_json)
+            fail(
+                f"{exc} — fix the ledger or the token, then re-run the same command: rows "
+                "already written are kept, the rest are processed",
+                1,
+            )
+        except CollectAborted as exc:
+            _print_report(exc.report, as_json)
+            fail(f"aborted: {exc}", 3)
+        except CollectRefused as exc:
+            fail(str(exc))
+        for line, message in report.malformed_lines:
+            err.print(f"[yellow]warning:[/] {input}:{line}: malformed row skipped: {message}")
+        for line, rid, first in report.duplicate_rows:
+            err.print(
+                f"[yellow]warning:[/] {input}:{line}: rollout {rid} already appears on line "
+                f"{first}; only line {first} is delivered (duplicate rollout id)"
+            )
+        for line, rid in report.already_retired:
+            err.print(
+                f"[yellow]warning:[/] {input}:{line}: rollout {rid} was already delivered and "
+                "retired by an earlier collect; its row is not in this output and cannot be "
+                "rebuilt"
+            )
+        _print_report(report, as_json)
+        if report.already_retired:
+            fail(
+                f"{len(report.already_retired)} rollout(s) were delivered by an earlier run into "
+                f"another output (or one since deleted) and are not in {output}: restore that "
+                "output; their records are retired",
+                1,
+            )
+
+    @audit_app.command("list")
+    def audit_list(
+        db: DbOption = DEFAULT_DB_URL,
+        token: TokenOption = None,
+        state: Annotated[
+            str | None, typer.Option(help="Only this state: open, frozen or retired.")
+        ] = None,
+        outcome: Annotated[
+            str | None, typer.Option(help="Only this latest build: delivered, masked or failed.")
+        ] = None,
+        reason: Annotated[
+            str | None,
+            typer.Option(help="Only rollouts with this mask reason or incomplete cause."),
+        ] = None,
+        since: Annotated[
+            str | None,
+            typer.Option(help="Only rollouts updated since: 30m, 1h, 2d, or an ISO 8601 time."),
+        ] = None,
+        limit: Annotated[
+            int, typer.Option(min=1, max=100_000, help="At most this many rows.", show_default=True)
+        ] = 100,
+        wide: WideFlag = False,
+        as_json: JsonFlag = False,
+    ) -> None:
+        """Rollouts, filtered by state, outcome, reason and time."""
+        if state is not None and state not in ("open", "frozen", "retired"):
+            fail(f"--state must be open, frozen or retired; got {state!r}")
+        if outcome is not None and outcome not in ("delivered", "masked", "failed"):
+            fail(f"--outcome must be delivered, masked or failed; got {outcome!r}")
+        when = parse_since(since)
+
+        async def body(source: Any) -> list[dict[str, Any]]:
+            await _check_reason(source, reason)
+            items: list[dict[str, Any]] = await source.list(
+                state=state, outcome=outcome, reason=reason, since=when, limit=limit
+            )
+            return items
+
+        items = _run(db, token, body)
         if as_json:
-            print(json.dumps(report.as_dict(), indent=2))
-        else:
-            out.print(health_table(report))
+            print(json.dumps(_jsonable(items), indent=2))
+            return
+        _stdout(wide).print(_rollout_table(f"rollouts ({len(items)})", items))
 
     @audit_app.command("masked")
     def audit_masked(
         db: DbOption = DEFAULT_DB_URL,
-        reason: Annotated[str | None, typer.Option(help="Only this mask reason.")] = None,
-        since: Annotated[datetime | None, typer.Option(help="Only rollouts updated since.")] = None,
-        limit: Annotated[int, typer.Option(min=1, max=10000)] = 100,
+        token: TokenOption = None,
+        reason: Annotated[
+            str | None,
+            typer.Option(
+                help="Only this mask reason or incomplete cause (e.g. capture_incomplete, "
+                "missing_token_ids)."
+            ),
+        ] = None,
+        since: Annotated[
+            str | None,
+            typer.Option(help="Only rollouts updated since: 30m, 1h, 2d, or an ISO 8601 time."),
+        ] = None,
+        limit: Annotated[
+            int, typer.Option(min=1, max=100_000, help="At most this many rows.", show_default=True)
+        ] = 100,
+        wide: WideFlag = False,
         as_json: JsonFlag = False,
     ) -> None:
-        """Masked rollouts (latest build masked or failed), with their reasons."""
-        items, _ = _run_audit(db, "list", masked=True, reason=reason, since=since, limit=limit)
-        if as_json:
-            print(json.dumps([_jsonable(vars_of(i)) for i in items], indent=2))
-            return
-        t = Table(title=f"masked rollouts ({len(items)})")
-        for col in ("rollout", "state", "calls", "chains", "delivered", "outcome", "reasons"):
-            t.add_column(col)
-        for i in items:
-            t.add_row(
-                i.rollout_id,
-                i.state,
-                str(i.n_calls),
-                str(i.chains or ""),
-                "" if i.delivered_fraction is None else f"{i.delivered_fraction:.2f}",
-                i.outcome or "",
-                ", ".join(i.mask_reasons),
+        """Masked rollouts (latest build masked or failed), with their reasons and causes."""
+        when = parse_since(since)
+
+        async def body(source: Any) -> list[dict[str, Any]]:
+            await _check_reason(source, reason)
+            items: list[dict[str, Any]] = await source.list(
+                masked=True, reason=reason, since=when, limit=limit
             )
-        out.print(t)
+            return items
+
+        items = _run(db, token, body)
+        if as_json:
+            print(json.dumps(_jsonable(items), indent=2))
+            return
+        _stdout(wide).print(_rollout_table(f"masked rollouts ({len(items)})", items))
 
     @audit_app.command("show")
     def audit_show(
-        rollout_id: str, db: DbOption = DEFAULT_DB_URL, as_json: JsonFlag = False
+        rollout_id: Annotated[str, typer.Argument(help="The rollout id.")],
+        db: DbOption = DEFAULT_DB_URL,
+        token: TokenOption = None,
+        wide: WideFlag = False,
+        as_json: JsonFlag = False,
     ) -> None:
         """One rollout in full: calls, edges, quarantines, incomplete events, deliveries."""
-        detail = _run_audit(db, "show", rollout_id=rollout_id)
+
+        async def body(source: Any) -> dict[str, Any]:
+            detail: dict[str, Any] = await source.show(rollout_id)
+            return detail
+
+        detail = _run(db, token, body)
         if as_json:
-            print(json.dumps(detail, indent=2, default=str))
+            print(json.dumps(_jsonable(detail), indent=2, default=str))
             return
-        r = detail["rollout"]
-        out.print(
-            f"[bold]{r['rollout_id']}[/] state={r['state']} incomplete={r['incomplete']} "
-            f"version={r['version']} snapshot={r['snapshot_id']}"
-        )
-        calls = Table(title="calls")
-        for col in ("call", "status", "prompt", "gen", "cumulative", "parent", "delta", "tokens"):
-            calls.add_column(col)
-        for c in detail["calls"]:
-            calls.add_row(
-                c["model_call_id"],
-                c["status"],
-                str(c["prompt_len"] or ""),
-                str(c["generation_len"] or ""),
-                str(c["cumulative_len"] or ""),
-                c["parent_call_id"] or "",
-                "yes" if c["prompt_is_delta"] else "",
-                "yes" if c["has_tokens"] else "retired" if r["state"] == "retired" else "no",
-            )
-        out.print(calls)
-        edges = Table(title="lineage edges")
-        for col in ("child", "parent", "method", "status", "shared", "first mismatch"):
-            edges.add_column(col)
-        for e in detail["edges"]:
-            mismatch = (
-                "" if e["mismatch_pos"] is None else f"{e['mismatch_pos']} ({e['mismatch_kind']})"
-            )
-            edges.add_row(
-                e["child"], e["parent"], e["method"], e["status"], str(e["shared_len"]), mismatch
-            )
-        out.print(edges)
-        for title, rows, cols in (
-            ("quarantines", detail["quarantines"], ("model_call_id", "reason", "detail")),
-            (
-                "incomplete events",
-                detail["incomplete_events"],
-                ("model_call_id", "reason", "detail"),
-            ),
-            (
-                "deliveries",
-                detail["deliveries"],
-                (
-                    "id",
-                    "outcome",
-                    "mask_reasons",
-                    "snapshot_id",
-                    "version",
-                    "durable_ack_at",
-                    "retired_at",
-                ),
-            ),
-        ):
-            t = Table(title=title)
-            for col in cols:
-                t.add_column(col)
-            for row in rows:
-                t.add_row(*(_cell(row.get(col)) for col in cols))
-            out.print(t)
+        _print_detail(_stdout(wide), detail)
 
     @audit_app.command("stats")
     def audit_stats(
         db: DbOption = DEFAULT_DB_URL,
-        since: Annotated[datetime | None, typer.Option()] = None,
+        token: TokenOption = None,
+        since: Annotated[
+            str | None,
+            typer.Option(help="Only rollouts updated since: 30m, 1h, 2d, or an ISO 8601 time."),
+        ] = None,
         as_json: JsonFlag = False,
     ) -> None:
         """Counts by state, outcome and reason; mask fraction; delivered-fraction distribution."""
-        stats = _run_audit(db, "stats", since=since)
+        when = parse_since(since)
+
+        async def body(source: Any) -> dict[str, Any]:
+            stats: dict[str, Any] = await source.stats(when)
+            return stats
+
+        stats = _run(db, token, body)
         if as_json:
             print(json.dumps(stats, indent=2))
             return
-        t = Table(title="ledger statistics")
+        t = Table(title="ledger statistics", title_justify="left")
         t.add_column("metric")
         t.add_column("value", justify="right")
         for section in (
@@ -266,46 +624,149 @@ def register(app: typer.Typer) -> None:
             "chains_histogram",
         ):
             for key, n in stats[section].items():
-                t.add_row(f"{section}: {key}", str(n))
+                if n:  # a histogram's empty buckets say nothing
+                    t.add_row(f"{section}: {key}", str(n))
         mf = stats["mask_fraction"]
         t.add_row("mask fraction", "n/a" if mf is None else f"{mf:.1%}")
-        out.print(t)
+        _stdout(True).print(t)
+
+    app.add_typer(audit_app, name="audit")
 
 
-def vars_of(obj: Any) -> dict[str, Any]:
-    return {k: getattr(obj, k) for k in obj.__slots__}
+def _collect(
+    db: str,
+    token: str | None,
+    input: Path,
+    output: Path,
+    limit: float | None,
+    floor: int,
+    concurrency: int,
+    deliver: str,
+    as_json: bool,
+) -> CollectReport:
+    from rich.progress import (
+        BarColumn,
+        MofNCompleteColumn,
+        Progress,
+        TextColumn,
+        TimeElapsedColumn,
+    )
+
+    from ledger.collect import collect
+    from ledger.gym import open_backend
+
+    total = _count_lines(input)
+
+    async def main() -> CollectReport:
+        if not db.startswith(("http://", "https://")):
+            from ledger.presence import require_ledger
+
+            await require_ledger(db)  # before the progress bar: a missing ledger is one line
+        source = open_backend(db, token=token)
+        progress = Progress(
+            TextColumn("[bold]collect"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TextColumn("masked {task.fields[masked]}"),
+            TimeElapsedColumn(),
+            console=err,
+            disable=as_json,
+        )
+        task = progress.add_task("rows", total=total, masked=0)
+
+        def tick(r: CollectReport) -> None:
+            progress.update(task, completed=r.written + r.skipped_already_written, masked=r.masked)
+
+        try:
+            with progress:
+                return await collect(
+                    source,
+                    input,
+                    output,
+                    max_mask_fraction=limit,
+                    min_samples=floor,
+                    concurrency=concurrency,
+                    deliver=deliver,
+                    on_progress=tick,
+                )
+        finally:
+            await source.close()
+
+    return asyncio.run(main())
 
 
-def _jsonable(d: dict[str, Any]) -> dict[str, Any]:
-    return {k: v.isoformat() if isinstance(v, datetime) else v for k, v in d.items()}
+def _print_report(report: CollectReport, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(report.as_dict(), indent=2))
+    else:
+        _stdout(True).print(health_table(report))
 
 
-def _cell(value: Any) -> str:
+def _cell(value: Any, key: str = "") -> str:
     if value is None:
         return ""
+    if key.endswith("_at"):
+        return ts(value)
     if isinstance(value, list):
         return ", ".join(str(v) for v in value)
     return str(value)
 
 
-def _run_audit(db: str, what: str, **kw: Any) -> Any:
-    from ledger.errors import LedgerError
-    from ledger.store import Audit, Ledger
-
-    async def main() -> Any:
-        led = Ledger(db, auto_migrate=True)
-        try:
-            audit = Audit(led)
-            if what == "list":
-                return await audit.list_rollouts(**kw)
-            if what == "show":
-                return await audit.rollout_detail(kw["rollout_id"])
-            return await audit.stats(**kw)
-        finally:
-            await led.close()
-
-    try:
-        return asyncio.run(main())
-    except LedgerError as exc:
-        err.print(f"[red]error:[/] {exc}")
-        raise typer.Exit(1) from None
+def _print_detail(out: Console, detail: dict[str, Any]) -> None:
+    r = detail["rollout"]
+    out.print(
+        f"[bold]{r['rollout_id']}[/] state={r['state']} incomplete={r['incomplete']} "
+        f"version={r['version']} snapshot={r['snapshot_id']} updated={ts(r.get('updated_at'))}"
+    )
+    calls = _table(
+        "calls", ("call", "status", "prompt", "gen", "cumulative", "parent", "delta", "tokens")
+    )
+    for c in detail["calls"]:
+        calls.add_row(
+            c["model_call_id"],
+            c["status"],
+            str(c["prompt_len"] or ""),
+            str(c["generation_len"] or ""),
+            str(c["cumulative_len"] or ""),
+            c["parent_call_id"] or "",
+            "yes" if c["prompt_is_delta"] else "",
+            "yes" if c["has_tokens"] else "retired" if r["state"] == "retired" else "no",
+        )
+    out.print(calls)
+    edges = _table(
+        "lineage edges", ("child", "parent", "method", "status", "shared", "first mismatch")
+    )
+    for e in detail["edges"]:
+        mismatch = (
+            "" if e["mismatch_pos"] is None else f"{e['mismatch_pos']} ({e['mismatch_kind']})"
+        )
+        edges.add_row(
+            e["child"], e["parent"], e["method"], e["status"], str(e["shared_len"]), mismatch
+        )
+    out.print(edges)
+    for title, rows, cols in (
+        ("quarantines", detail["quarantines"], ("model_call_id", "reason", "detail")),
+        (
+            "incomplete events",
+            detail["incomplete_events"],
+            ("model_call_id", "reason", "detail", "created_at"),
+        ),
+        (
+            "deliveries",
+            detail["deliveries"],
+            (
+                "id",
+                "outcome",
+                "mask_reasons",
+                "snapshot_id",
+                "version",
+                "built_at",
+                "durable_ack_at",
+                "retired_at",
+            ),
+        ),
+    ):
+        t = _table(title, cols)
+        for row in rows:
+            t.add_row(*(_cell(row.get(col), col) for col in cols))
+        out.print(t)

@@ -10,6 +10,20 @@ fsync → retire the snapshot it was built from.  A crash at any point loses not
 * a torn last line (the process died mid-write) was never fsynced: it is cut off on re-run.
 
 Rows are keyed by their capture key (rollout id), or by input line number when they have none.
+
+What ``collect`` refuses to do (issue 14):
+
+* report success when the ledger itself failed: an unreachable database, a missing ledger, a
+  refused API token or any other failure of the source (not of one rollout's data) stops the
+  run with ``CollectFailed`` before that row is written, so no row is ever masked because the
+  infrastructure failed.  A re-run processes every row that was not written; rows an older
+  version wrote masked with such a failure (``source_error`` and no snapshot) are dropped
+  from the output on resume and built again;
+* deliver one rollout twice: when two input rows carry the same rollout id, the first (lowest
+  line number) is processed and every later one is reported in ``duplicate_rows``, unwritten;
+  a row whose rollout an earlier run already delivered and retired (but whose row is not in
+  this output) is reported in ``already_retired``, unwritten: its records are gone;
+* read and write the same file, or create an output directory that does not exist.
 """
 
 from __future__ import annotations
@@ -28,7 +42,7 @@ from ledger.delivery import finalize_rollout_token_capture, retire_rollout_token
 from ledger.errors import InvalidRolloutId
 from ledger.ids import rollout_id_from_run_body
 
-__all__ = ["CollectAborted", "CollectReport", "collect"]
+__all__ = ["CollectAborted", "CollectFailed", "CollectRefused", "CollectReport", "collect"]
 
 SNAPSHOT_KEY = "_ng_capture_snapshot"
 LINE_KEY = "_ng_input_line"
@@ -42,6 +56,35 @@ class CollectAborted(RuntimeError):
         self.report = report
 
 
+class CollectFailed(CollectAborted):
+    """The ledger (not a rollout's data) failed: unreachable, missing, or the token refused.
+
+    The row it happened on was not written; rows written before it are durable and retired.
+    """
+
+
+class CollectRefused(ValueError):
+    """The arguments cannot work (same input and output, missing output directory, …)."""
+
+
+# A finalize that raised one of these failed because of the rollout's own data or state: the
+# row is masked with ``source_error`` like Gym does.  Any other exception is the ledger itself
+# failing (``Unavailable``, ``NoLedger``, ``AccessDenied``, a driver error, …): the run stops.
+_ROW_ERRORS = frozenset(
+    {
+        "InvalidInput",
+        "InvalidRolloutId",
+        "InvalidRecord",
+        "UnsupportedSchemaVersion",
+        "NotFound",
+        "StateConflict",
+        "PayloadConflict",
+        "RolloutFrozen",
+        "RolloutRetired",
+    }
+)
+
+
 @dataclass
 class CollectReport:
     rows_in: int = 0
@@ -52,6 +95,11 @@ class CollectReport:
     skipped_already_written: int = 0
     retired_on_resume: int = 0
     malformed_lines: list[tuple[int, str]] = field(default_factory=list)
+    duplicate_rows: list[tuple[int, str, int]] = field(default_factory=list)
+    # Rows whose rollout an earlier run delivered and retired, but that are not in this output
+    # (the output was deleted, or another output was named): they cannot be rebuilt.
+    already_retired: list[tuple[int, str]] = field(default_factory=list)
+    reprocessed_source_errors: int = 0
     mask_reasons: Counter[str] = field(default_factory=Counter)
     delivered_fraction: Counter[str] = field(default_factory=Counter)
     chains: Counter[str] = field(default_factory=Counter)
@@ -72,6 +120,12 @@ class CollectReport:
             "skipped_already_written": self.skipped_already_written,
             "retired_on_resume": self.retired_on_resume,
             "malformed_lines": [{"line": n, "error": e} for n, e in self.malformed_lines],
+            "duplicate_rows": [
+                {"line": n, "rollout_id": rid, "first_line": first}
+                for n, rid, first in self.duplicate_rows
+            ],
+            "reprocessed_source_errors": self.reprocessed_source_errors,
+            "already_retired": [{"line": n, "rollout_id": rid} for n, rid in self.already_retired],
             "mask_reasons": dict(self.mask_reasons.most_common()),
             "delivered_fraction": dict(sorted(self.delivered_fraction.items())),
             "chains": dict(sorted(self.chains.items())),
@@ -96,11 +150,45 @@ def _bucket(frac: Any) -> str:
     return f"{lo:.1f}-{lo + 0.1:.1f}"
 
 
-def _scan_output(path: Path) -> dict[str, dict[str, Any]]:
-    """Rows already written (by key), cutting off a torn final line left by a crash."""
+def infrastructure_error(build: dict[str, Any] | None) -> str | None:
+    """The ledger's own failure behind a ``source_error`` build, or ``None`` for a row's own."""
+    if not build or "source_error" not in (build.get("mask_reasons") or []):
+        return None
+    error = str((build.get("metrics") or {}).get("error") or "the capture source failed")
+    kind = error.split(":", 1)[0].strip()
+    return None if kind in _ROW_ERRORS else error
+
+
+def _retired_earlier(build: dict[str, Any] | None) -> bool:
+    """The rollout was delivered and retired before: nothing is left to rebuild."""
+    if not build or "source_error" not in (build.get("mask_reasons") or []):
+        return False
+    error = str((build.get("metrics") or {}).get("error") or "")
+    return error.split(":", 1)[0].strip() == "RolloutRetired"
+
+
+def _never_built(row: dict[str, Any]) -> bool:
+    """A row an older collect wrote masked because the ledger failed (nothing was built)."""
+    if not row.get("mask_sample") or row.get(SNAPSHOT_KEY):
+        return False
+    metrics = row.get("_ng_token_capture")
+    if not isinstance(metrics, dict):
+        return False
+    build = {"mask_reasons": metrics.get("mask_reasons"), "metrics": metrics}
+    return infrastructure_error(build) is not None
+
+
+def _scan_output(path: Path) -> tuple[dict[str, dict[str, Any]], int]:
+    """Rows already written (by key), cutting off a torn final line left by a crash.
+
+    Rows that were never built (masked because the ledger failed) are removed from the file
+    (rewritten atomically) so this run builds them; their count is returned.
+    """
     done: dict[str, dict[str, Any]] = {}
     if not path.exists():
-        return done
+        return done, 0
+    kept: list[bytes] = []
+    dropped = 0
     with path.open("rb+") as fh:
         good_end = 0
         for raw in fh:
@@ -111,11 +199,52 @@ def _scan_output(path: Path) -> dict[str, dict[str, Any]]:
             except ValueError:
                 break
             good_end += len(raw)
+            if isinstance(row, dict) and _never_built(row):
+                dropped += 1
+                continue
+            kept.append(raw)
             line = row.get(LINE_KEY)
             key = _row_key(row, int(line) if isinstance(line, int) else -1)
             done[key] = row
         fh.truncate(good_end)
-    return done
+    if dropped:
+        _rewrite(path, kept)
+    return done, dropped
+
+
+def _rewrite(path: Path, lines: list[bytes]) -> None:
+    """Replace ``path`` with ``lines`` atomically (write, fsync, rename, fsync the directory)."""
+    tmp = path.with_name(path.name + ".rewrite")
+    with tmp.open("wb") as fh:
+        fh.writelines(lines)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    dir_fd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dir_fd)
+    finally:
+        os.close(dir_fd)
+
+
+def check_paths(input_path: Path, output_path: Path) -> None:
+    """Refuse arguments that cannot work; raises ``CollectRefused`` saying what to change."""
+    if not input_path.is_file():
+        raise CollectRefused(f"input file {input_path} does not exist")
+    same = output_path.resolve() == input_path.resolve()
+    if not same and output_path.exists():
+        same = output_path.samefile(input_path)
+    if same:
+        raise CollectRefused(
+            f"--input and --output are the same file ({input_path}): write the rebuilt rows "
+            "to another file"
+        )
+    parent = output_path.parent
+    if not parent.is_dir():
+        raise CollectRefused(
+            f"the output directory {parent} does not exist: create it first or choose another "
+            "--output"
+        )
 
 
 def _dumps(row: dict[str, Any]) -> bytes:
@@ -127,8 +256,8 @@ class _Writer:
     """Appends rows and fsyncs each before it is acknowledged."""
 
     def __init__(self, path: Path) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self._fh: IO[bytes] = path.open("ab")
+        self._path = path
+        self._fh: IO[bytes] | None = None  # opened at the first row: a failed run leaves no file
         self._lock = asyncio.Lock()
 
     async def write(self, rows: list[dict[str, Any]]) -> None:
@@ -137,12 +266,15 @@ class _Writer:
             await asyncio.to_thread(self._append, data)
 
     def _append(self, data: bytes) -> None:
+        if self._fh is None:
+            self._fh = self._path.open("ab")
         self._fh.write(data)
         self._fh.flush()
         os.fsync(self._fh.fileno())
 
     def close(self) -> None:
-        self._fh.close()
+        if self._fh is not None:
+            self._fh.close()
 
 
 def _rows_for(
@@ -170,6 +302,16 @@ def _rows_for(
     return rows
 
 
+async def _preflight(source: Any) -> None:
+    """Fail before the first row when a direct database holds no ledger (nothing is created)."""
+    from ledger.presence import require_ledger
+    from ledger.store import Ledger
+
+    backend = getattr(source, "backend", source)
+    if isinstance(backend, Ledger):
+        await require_ledger(backend.url)
+
+
 async def collect(
     source: Any,
     input_path: Path,
@@ -183,12 +325,19 @@ async def collect(
     on_progress: Callable[[CollectReport], None] | None = None,
     write_hook: Callable[[], Awaitable[None]] | None = None,
 ) -> CollectReport:
-    """Finalize every row of ``input_path`` into ``output_path``; see the module docstring."""
+    """Finalize every row of ``input_path`` into ``output_path``; see the module docstring.
+
+    Raises ``CollectRefused`` (bad paths), ``CollectFailed`` (the ledger failed; nothing masked
+    was written for it) or ``CollectAborted`` (the masked fraction passed the limit).
+    """
+    check_paths(input_path, output_path)
+    await _preflight(source)
     report = CollectReport()
-    done = _scan_output(output_path)
+    done, report.reprocessed_source_errors = _scan_output(output_path)
     writer = _Writer(output_path)
     sem = asyncio.Semaphore(max(1, concurrency))
     stop = asyncio.Event()
+    failure: list[str] = []
 
     async def retire_written(row: dict[str, Any]) -> bool:
         snap = row.get(SNAPSHOT_KEY)
@@ -208,6 +357,19 @@ async def collect(
             build = await finalize_rollout_token_capture(
                 row, source, deliver=deliver, consumer=consumer
             )
+            broken = infrastructure_error(build)
+            if broken is not None:
+                rid = (build or {}).get("rollout_id") or "?"
+                failure.append(
+                    f"the ledger failed on {input_path}:{line_no} (rollout {rid}), so the run "
+                    f"stopped and did not write that row: {broken.splitlines()[0]}"
+                )
+                stop.set()
+                return
+            if _retired_earlier(build):
+                # Never a second (masked) row for a delivered rollout; the caller is told.
+                report.already_retired.append((line_no, str((build or {}).get("rollout_id"))))
+                return
             report.finalized += 1
             masked = bool(row.get("mask_sample"))
             if masked:
@@ -247,6 +409,7 @@ async def collect(
                 on_progress(report)
 
     tasks: list[asyncio.Task[None]] = []
+    first_line: dict[str, int] = {}
     try:
         with input_path.open("rb") as fh:
             for line_no, raw in enumerate(fh, start=1):
@@ -263,6 +426,12 @@ async def collect(
                     continue
                 report.rows_in += 1
                 key = _row_key(row, line_no)
+                if key.startswith("rollout:"):
+                    # One delivery per rollout id: the first row wins, whatever the timing.
+                    if key in first_line:
+                        report.duplicate_rows.append((line_no, key[8:], first_line[key]))
+                        continue
+                    first_line[key] = line_no
                 if key in done:
                     report.skipped_already_written += 1
                     if await retire_written(done[key]):
@@ -279,6 +448,9 @@ async def collect(
         with contextlib.suppress(BaseException):
             await asyncio.gather(*tasks, return_exceptions=True)
         writer.close()
+    if failure:
+        report.aborted = failure[0]
+        raise CollectFailed(failure[0], report)
     if report.aborted:
         raise CollectAborted(report.aborted, report)
     return report

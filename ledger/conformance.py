@@ -104,6 +104,7 @@ class _Run:
         self.lineage_factory = lineage_factory
         self.rollout_id = rollout_id
         self.clients: list[Any] = []
+        self.used: list[str] = []
 
     def _track(self, client: Any) -> Any:
         self.clients.append(client)
@@ -120,7 +121,33 @@ class _Run:
         return self._track(self.lineage_factory())
 
     def rid(self, check: str) -> str:
-        return f"{self.rollout_id}-{check.replace('_', '-')}"
+        rid = f"{self.rollout_id}-{check.replace('_', '-')}"
+        if rid not in self.used:
+            self.used.append(rid)
+        return rid
+
+    async def clean_up(self) -> None:
+        """Remove every rollout the checks wrote (the kit must leave the ledger as it was).
+
+        Deleting needs the ledger's ``delete_rollout`` (direct database, or the admin scope over
+        HTTP); where that is refused, each rollout is frozen and retired instead, leaving only
+        tombstones that ``rollout-ledger sweep`` removes.
+        """
+        if not self.used:
+            return
+        source = self.source()
+        backend = getattr(source, "backend", source)
+        delete = getattr(backend, "delete_rollout", None)
+        for rid in self.used:
+            with contextlib.suppress(Exception):
+                if delete is not None:
+                    await _maybe_await(delete(rid))
+                    continue
+            with contextlib.suppress(Exception):
+                snap = await _maybe_await(source.freeze(rid))
+                await _maybe_await(
+                    source.drop(rid, snapshot_id=snap.snapshot_id, version=snap.version)
+                )
 
     async def close_all(self) -> None:
         for c in self.clients:
@@ -312,5 +339,8 @@ async def run_conformance(
                 raise ConformanceError(name, f"unexpected {type(exc).__name__}: {exc}") from exc
             passed.append(name)
     finally:
-        await run.close_all()
+        try:
+            await run.clean_up()
+        finally:
+            await run.close_all()
     return passed

@@ -269,10 +269,16 @@ async def _execute(
             terminal["chain"] = "error"
     metrics["mask_reasons"] = reasons
     if "no_records" in reasons and not metrics.get("error"):
-        metrics["error"] = (
-            "capture contains no token records: the rollout's model calls did not reach the "
-            "proxy's /ng-rollout/<id>/training-token-capture/ route"
-        )
+        if views.incomplete_reasons:  # the calls arrived; recording them failed: say why
+            metrics["error"] = (
+                "capture contains no token records: every call failed to record "
+                f"({', '.join(views.incomplete_reasons)})"
+            )
+        else:
+            metrics["error"] = (
+                "capture contains no token records: the rollout's model calls did not reach "
+                "the proxy's /ng-rollout/<id>/training-token-capture/ route"
+            )
     if rebuilt is not None:
         metrics["prompt_tokens_delivered"] = rebuilt["usage"]["input_tokens"]
     outcome = "failed" if failed else ("masked" if reasons else "delivered")

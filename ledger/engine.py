@@ -35,6 +35,9 @@ READ_ONLY = "ledger_read_only"
 SQLITE_BUSY_TIMEOUT_MS = int(os.environ.get("ROLLOUT_LEDGER_SQLITE_BUSY_TIMEOUT_MS", "60000"))
 PG_LOCK_TIMEOUT_MS = int(os.environ.get("ROLLOUT_LEDGER_PG_LOCK_TIMEOUT_MS", "30000"))
 PG_STATEMENT_TIMEOUT_MS = int(os.environ.get("ROLLOUT_LEDGER_PG_STATEMENT_TIMEOUT_MS", "120000"))
+# Connections per process to Postgres: ``pool_size`` kept open, up to ``max_overflow`` more.
+PG_POOL_SIZE = int(os.environ.get("ROLLOUT_LEDGER_PG_POOL_SIZE", "10"))
+PG_MAX_OVERFLOW = int(os.environ.get("ROLLOUT_LEDGER_PG_MAX_OVERFLOW", "20"))
 
 
 def normalize_url(url: str | URL) -> URL:
@@ -145,8 +148,8 @@ def _postgres_engine(url: URL, **kwargs: Any) -> AsyncEngine:
         "application_name": "rollout-ledger",
     }
     if "poolclass" not in kwargs:
-        kwargs.setdefault("pool_size", 10)
-        kwargs.setdefault("max_overflow", 20)
+        kwargs.setdefault("pool_size", PG_POOL_SIZE)
+        kwargs.setdefault("max_overflow", PG_MAX_OVERFLOW)
     kwargs.setdefault("pool_pre_ping", True)
     return create_async_engine(
         url,

@@ -12,6 +12,7 @@
     │   ├── RolloutFrozen                         write after freeze             → 409
     │   └── RolloutRetired                        anything after retire          → 410
     └── Unavailable                               the database cannot be reached → 503
+        └── NoLedger                              no ledger schema at that URL   → 503
 
 Driver errors are translated into this tree once, in ``ledger.store``; routes map the tree to
 HTTP status codes once, in ``api.errors``.
@@ -25,6 +26,7 @@ __all__ = [
     "InvalidRecord",
     "InvalidRolloutId",
     "LedgerError",
+    "NoLedger",
     "NotFound",
     "PayloadConflict",
     "RolloutFrozen",
@@ -98,3 +100,12 @@ class Unavailable(LedgerError):
     """The database could not be reached or did not answer in time."""
 
     code = "unavailable"
+
+
+class NoLedger(Unavailable):
+    """The URL holds no ledger (or one at another schema revision); nothing was created.
+
+    Only ``rollout-ledger db upgrade`` and ``serve`` create or migrate a ledger.
+    """
+
+    code = "no_ledger"

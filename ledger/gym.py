@@ -67,7 +67,8 @@ def open_backend(
         from ledger.client import RemoteLedger
 
         return RemoteLedger(url, token=token, **kwargs)
-    return Ledger(url, delta_records=delta_records, auto_migrate=True)
+    # Never creates or migrates a ledger: `db upgrade` or `serve` does (NoLedger otherwise).
+    return Ledger(url, delta_records=delta_records, check_schema=True)
 
 
 class _Client:

@@ -168,11 +168,15 @@ class Ledger:
         group_commit: bool | None = None,
         engine: AsyncEngine | None = None,
         flush_intents: bool = False,
+        check_schema: bool = False,
     ):
         self.engine = engine or make_engine(url)
         self.url = url
         self.delta_records = delta_records
-        self.auto_migrate = auto_migrate
+        self.auto_migrate = auto_migrate or check_schema
+        self._may_migrate = auto_migrate
+        # ``check_schema``: refuse (``NoLedger``) instead of creating or migrating a ledger; for
+        # every client that is not ``db upgrade`` or ``serve`` (issue 13 item 9).
         # An intent's commit need not wait for its own flush: the call's next write (record,
         # cancel or incomplete mark) is flushed before the harness is answered and, later in
         # the same sequential log (SQLite WAL, Postgres WAL), makes the intent durable with it.
@@ -215,7 +219,11 @@ class Ledger:
             if not self._schema_ready:
                 from ledger import migrate
 
-                if await migrate.current_revision(self.url) != migrate.head_revision():
+                if not self._may_migrate:
+                    from ledger.presence import require_ledger
+
+                    await require_ledger(self.url)
+                elif await migrate.current_revision(self.url) != migrate.head_revision():
                     # Alembic's env runs its own event loop: give it a thread.
                     await asyncio.to_thread(migrate.upgrade, self.url)
                 self._schema_ready = True
@@ -1308,6 +1316,8 @@ class RolloutSummary:
     mask_reasons: list[str]
     delivered_fraction: float | None
     chains: int | None
+    # The causes behind ``capture_incomplete`` (``upstream_error``, ``missing_token_ids``, …).
+    incomplete_reasons: tuple[str, ...] = ()
 
 
 class Audit:
@@ -1334,7 +1344,11 @@ class Audit:
         limit: int = 100,
         cursor: str | None = None,
     ) -> tuple[list[RolloutSummary], str | None]:
-        """Rollouts ordered by id, filtered; returns a page and the cursor of the next one."""
+        """Rollouts ordered by id, filtered; returns a page and the cursor of the next one.
+
+        ``reason`` matches a mask reason or an incomplete-event reason (the cause behind
+        ``capture_incomplete``).
+        """
         latest = self._latest_delivery()
         n_calls = (
             sa.select(sa.func.count())
@@ -1379,9 +1393,10 @@ class Audit:
             result = await conn.stream(q.execution_options(yield_per=batch))
             async for r in result:
                 reasons = list(r.mask_reasons or [])
-                if reason and reason not in reasons:
-                    continue
                 metrics = r.metrics or {}
+                causes = tuple(str(c) for c in metrics.get("incomplete_reasons") or ())
+                if reason and reason not in reasons and reason not in causes:
+                    continue
                 out.append(
                     RolloutSummary(
                         r.rollout_id,
@@ -1395,6 +1410,7 @@ class Audit:
                         reasons,
                         metrics.get("delivered_fraction"),
                         metrics.get("chains"),
+                        causes,
                     )
                 )
                 if len(out) > limit:
