@@ -11,7 +11,7 @@ from typing import Annotated
 
 import typer
 
-from api.ui.cli import register as _register_ui
+from api.ui_cli import register as _register_ui
 from ledger.cli import app
 from ledger.cli_errors import fail, run_cli
 from ledger.cli_ops import err

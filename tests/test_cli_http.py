@@ -28,7 +28,8 @@ def served() -> Iterator[list[Served]]:
         s.stop()
 
 
-TOKENS = "ing-tok=ingest;tr-tok=trainer;au-tok=audit"
+ING, TR, AU = "ing-tok-0123456789abcdef", "tr-tok-0123456789abcdef", "au-tok-0123456789abcdef"
+TOKENS = f"{ING}=ingest;{TR}=trainer;{AU}=audit"
 
 
 def serve(db_url: str, served: list[Served]) -> Served:
@@ -57,11 +58,11 @@ def test_collect_stops_on_a_refused_token_and_resumes_with_the_right_one(
     service = serve(db_url, served)
     src, dst = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     write_rows(src, [result_for(r) for r in ids])
-    res = cli("collect", "--db", service.url, "--token", "ing-tok", "-i", str(src), "-o", str(dst))
+    res = cli("collect", "--db", service.url, "--token", ING, "-i", str(src), "-o", str(dst))
     assert res.returncode == 1, res.stderr
     assert "refused the API token" in res.stderr and "re-run" in res.stderr
     assert not dst.exists() or read_rows(dst) == []
-    ok = cli("collect", "--db", service.url, "--token", "tr-tok", "-i", str(src), "-o", str(dst))
+    ok = cli("collect", "--db", service.url, "--token", TR, "-i", str(src), "-o", str(dst))
     assert ok.returncode == 0, ok.stderr
     rows = read_rows(dst)
     assert sorted(r["_ng_rollout_id"] for r in rows) == sorted(ids)
@@ -89,16 +90,14 @@ def test_collect_with_an_unreachable_database_writes_nothing(tmp_path: Path) -> 
 def test_audit_over_http_needs_the_audit_scope(db_url: str, rid: Rid, served: list[Served]) -> None:
     (r,) = setup_rollouts(db_url, rid, 1)
     service = serve(db_url, served)
-    res = cli(
-        "audit", "list", "--db", service.url, "--token", "au-tok", "--json", "--limit", "5000"
-    )
+    res = cli("audit", "list", "--db", service.url, "--token", AU, "--json", "--limit", "5000")
     assert res.returncode == 0, res.stderr
     assert r in [i["rollout_id"] for i in json.loads(res.stdout)]
-    res = cli("audit", "show", r, "--db", service.url, "--token", "au-tok", "--json")
+    res = cli("audit", "show", r, "--db", service.url, "--token", AU, "--json")
     assert res.returncode == 0 and json.loads(res.stdout)["rollout"]["rollout_id"] == r
-    res = cli("audit", "stats", "--db", service.url, "--token", "au-tok", "--json")
+    res = cli("audit", "stats", "--db", service.url, "--token", AU, "--json")
     assert res.returncode == 0 and "rollouts_by_state" in json.loads(res.stdout)
-    line = one_line_error(cli("audit", "stats", "--db", service.url, "--token", "tr-tok"))
+    line = one_line_error(cli("audit", "stats", "--db", service.url, "--token", TR))
     assert "audit scope" in line
 
 

@@ -1,4 +1,6 @@
-"""``rollout-ledger ui``: the audit page over an existing ledger, read-only, for a laptop."""
+"""``rollout-ledger ui``: the audit page over an existing ledger, read-only, for a laptop.
+
+Outside ``api/ui/`` so that ``rollout-ledger --help`` loads no web or database layer."""
 
 from __future__ import annotations
 
@@ -7,7 +9,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from sqlalchemy.engine import make_url
 
 from ledger.cli_ops import err
 
@@ -21,6 +22,8 @@ class UiError(Exception):
 
 def check_ledger(db: str) -> None:
     """Refuse a URL with no ledger behind it (this command never creates or migrates one)."""
+    from sqlalchemy.engine import make_url
+
     from ledger import migrate
     from ledger.engine import normalize_url
 
