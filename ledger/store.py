@@ -26,6 +26,7 @@ from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, OperationalErr
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from ledger import codec
+from ledger.builder import RECORDED_PARENT_METHOD
 from ledger.engine import READ_ONLY, make_engine, make_sync_engine
 from ledger.errors import (
     InvalidInput,
@@ -37,7 +38,8 @@ from ledger.errors import (
     RolloutRetired,
     Unavailable,
 )
-from ledger.ids import validate_call_id, validate_rollout_id
+from ledger.ids import MAX_CALL_ID_LEN, is_valid_id, validate_call_id, validate_rollout_id
+from ledger.lineage_ingest import decision_of_stored, gym_token_digest, recorded_decision
 from ledger.model import CallView, ChainLinkTokens, Quarantine
 from ledger.records import TokenEntry, coerce_entry, payload_digest
 from ledger.tables import (
@@ -177,6 +179,23 @@ def _validate_reason(reason: str) -> str:
             f"reason must be a short snake_case word (a-z, 0-9, _; at most 64); got {reason!r}"
         )
     return reason
+
+
+def _storable_call_id(model_call_id: object, detail: str) -> tuple[str, str]:
+    """The form of any call id an incomplete event can store, and the detail to store with it.
+
+    A valid id is kept as is.  Anything else (a ``put`` may have refused it) is kept readable
+    and bounded: NUL and lone surrogates, which neither database stores, are escaped, the text
+    is cut to the column's 200 characters, and the full original goes into the detail.
+    """
+    text = model_call_id if isinstance(model_call_id, str) else repr(model_call_id)
+    if not text or is_valid_id(text, MAX_CALL_ID_LEN):
+        return text, detail
+    storable = text.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode("utf-8")
+    if storable == text and len(text) <= MAX_CALL_ID_LEN:
+        return text, detail
+    note = f"model_call_id as sent: {storable[:1000]!r}"
+    return storable[:MAX_CALL_ID_LEN], f"{detail}; {note}" if detail else note
 
 
 def _first_mismatch(a: bytes, b: bytes) -> int:
@@ -397,7 +416,7 @@ class Ledger:
         the rollout incomplete and leaves the first record unchanged; a new record after freeze
         or anything after retire is refused.
         """
-        entry = coerce_entry(entry)
+        entry = await self._expand_recorded_delta(coerce_entry(entry))
         n_tokens = len(entry.prompt_token_ids) + len(entry.generation_token_ids)
         if n_tokens > _OFFLOAD_TOKENS:
             prep = await asyncio.to_thread(_prepare, entry)
@@ -457,7 +476,7 @@ class Ledger:
         e = prep.entry
         rid = e.rollout_id
         plen, glen = len(e.prompt_token_ids), len(e.generation_token_ids)
-        parent = self._prove_parent(conn, rid, prep.prompt, plen)
+        parent = self._parent_for(conn, prep)
         stored_prompt, is_delta = prep.prompt, False
         if parent is not None and self.delta_records:
             stored_prompt, is_delta = prep.prompt[parent.cumulative_len * 4 :], True
@@ -519,6 +538,7 @@ class Ledger:
                 )
             )
         self._diagnose_drift(conn, rid, pk, prep.prompt, parent, request_fingerprint)
+        self._record_parent_mismatch(conn, pk, prep, parent)
         version = self._bump(conn, rid)
         return PutResult(
             "created",
@@ -531,6 +551,105 @@ class Ledger:
     # ----------------------------------------------------------------- lineage
 
     _LENGTH_BATCH = 16
+
+    async def _expand_recorded_delta(self, entry: TokenEntry) -> TokenEntry:
+        """A NeMo Gym delta record (``prompt_is_delta``: the prompt is only the suffix after its
+        recorded parent) with its full prompt rebuilt from the parent's stored tokens and
+        checked against the record's own ``cum_len``/``digest``; any other record unchanged.
+
+        Refused (``InvalidRecord``: the writer marks the rollout incomplete) when the parent
+        is not in the ledger or the rebuilt sequence is not the one the writer digested: a
+        suffix read as a full prompt would deliver a wrong chain.
+        """
+        decision = recorded_decision(entry)
+        if decision is None or not decision.prompt_is_delta:
+            return entry
+        rid, cid, parent = entry.rollout_id, entry.model_call_id, decision.parent_call_id
+        if decision.status != "resolved" or parent is None:
+            raise InvalidRecord(
+                f"call {cid!r} stores a delta prompt but records no resolved parent to rebuild "
+                "it from; send the full prompt"
+            )
+
+        def load(conn: Connection) -> bytes:
+            return self._cumulative_bytes(conn, rid, parent)
+
+        try:
+            async with self._read() as aconn:
+                base = await aconn.run_sync(load)
+        except InvalidRecord as exc:
+            raise InvalidRecord(
+                f"call {cid!r} stores a delta prompt after parent {parent!r}, which the ledger "
+                f"cannot rebuild ({exc}); send the full prompt"
+            ) from None
+        full = codec.unpack_ids(base) + list(entry.prompt_token_ids)
+        sequence = full + list(entry.generation_token_ids)
+        if (decision.cum_len is not None and decision.cum_len != len(sequence)) or (
+            decision.digest is not None and gym_token_digest(sequence) != decision.digest
+        ):
+            raise InvalidRecord(
+                f"call {cid!r}: its delta prompt after parent {parent!r} does not rebuild the "
+                "sequence its cum_len/digest describe; send the full prompt"
+            )
+        data = entry.model_dump()
+        data.update(prompt_token_ids=full, prompt_is_delta=False)
+        return coerce_entry(data)
+
+    def _parent_for(self, conn: Connection, prep: _Prepared) -> _Parent | None:
+        """The link parent of a new record: the writer's recorded decision proven by tokens when
+        it recorded one (see ``ledger.lineage_ingest``), else the ledger's own token proof."""
+        e = prep.entry
+        rid, plen = e.rollout_id, len(prep.prompt) // 4
+        decision = recorded_decision(e)
+        if decision is None:
+            return self._prove_parent(conn, rid, prep.prompt, plen)
+        if decision.status != "resolved" or decision.parent_call_id is None:
+            return None
+        row = self._recorded_parent_row(conn, rid, decision.parent_call_id)
+        if row is None:
+            # Never received: recover an unambiguous token-prefix parent, as NeMo Gym does.
+            found = self._prove_parent(conn, rid, prep.prompt, plen)
+            return found if found is not None and found.method == "token_prefix" else None
+        n = row.cumulative_len
+        if n <= plen and codec.prefix_digests(prep.prompt, [n])[n] == row.cumulative_digest:
+            return _Parent(row.id, row.model_call_id, n, RECORDED_PARENT_METHOD)
+        return None
+
+    def _recorded_parent_row(self, conn: Connection, rollout_id: str, call_id: str) -> Any:
+        return conn.execute(
+            sa.select(C.c.id, C.c.model_call_id, C.c.cumulative_len, C.c.cumulative_digest).where(
+                C.c.rollout_id == rollout_id,
+                C.c.model_call_id == call_id,
+                C.c.status == "captured",
+            )
+        ).one_or_none()
+
+    def _record_parent_mismatch(
+        self, conn: Connection, child_pk: int, prep: _Prepared, parent: _Parent | None
+    ) -> None:
+        """Store a drifted edge when the writer's recorded parent is not a token prefix."""
+        decision = recorded_decision(prep.entry)
+        if decision is None or decision.parent_call_id is None or parent is not None:
+            return
+        rid = prep.entry.rollout_id
+        row = self._recorded_parent_row(conn, rid, decision.parent_call_id)
+        if row is None:
+            return
+        cumulative = self._cumulative_bytes(conn, rid, row.model_call_id)
+        pos = _first_mismatch(prep.prompt, cumulative)
+        kind = "prompt_shorter" if pos * 4 == len(prep.prompt) else "token_mismatch"
+        conn.execute(
+            E.insert().values(
+                rollout_id=rid,
+                child_id=child_pk,
+                parent_id=row.id,
+                method=RECORDED_PARENT_METHOD,
+                status="drifted",
+                shared_len=pos,
+                mismatch_pos=pos,
+                mismatch_kind=kind,
+            )
+        )
 
     def _candidate_filter(self, rollout_id: str) -> list[Any]:
         return [
@@ -738,8 +857,9 @@ class Ledger:
     ) -> int:
         """Durably mark the rollout incomplete (allowed after freeze; bumps the version)."""
         validate_rollout_id(rollout_id)
-        if model_call_id:
-            validate_call_id(model_call_id)
+        # More available than ``put`` (NeMo Gym's TokenSink contract): the call id is whatever
+        # the writer used, including one ``put`` refused, so it is stored, never validated.
+        call_id, detail = _storable_call_id(model_call_id, detail)
         _validate_reason(reason)
 
         def body(conn: Connection) -> int:
@@ -749,7 +869,7 @@ class Ledger:
                     f"token capture for rollout {rollout_id} is retired; mark_incomplete refused",
                     rollout_id=rollout_id,
                 )
-            return self._add_incomplete(conn, rollout_id, model_call_id, reason, detail)
+            return self._add_incomplete(conn, rollout_id, call_id, reason, detail)
 
         return await self._transact(body)
 
@@ -1233,6 +1353,7 @@ def _views(calls: Sequence[Any], edges: Sequence[Any]) -> list[CallView]:
     for c in calls:
         e = edge_of.get(c.id)
         parent = by_pk.get(e.parent_id) if e is not None else None
+        boundary = _recorded_boundary(c) if e is None else None
         views.append(
             CallView(
                 model_call_id=c.model_call_id,
@@ -1243,8 +1364,8 @@ def _views(calls: Sequence[Any], edges: Sequence[Any]) -> list[CallView]:
                 prompt_digest=c.prompt_digest,
                 created_at=c.created_at or 0.0,
                 parent_call_id=parent.model_call_id if parent is not None else None,
-                edge_method=e.method if e is not None else None,
-                edge_status=e.status if e is not None else None,
+                edge_method=e.method if e is not None else (boundary and RECORDED_PARENT_METHOD),
+                edge_status=e.status if e is not None else boundary,
                 shared_len=e.shared_len if e is not None else None,
                 response_id=c.response_id,
                 output_items=list(c.output_items or []),
@@ -1255,6 +1376,15 @@ def _views(calls: Sequence[Any], edges: Sequence[Any]) -> list[CallView]:
             )
         )
     return views
+
+
+def _recorded_boundary(call: Any) -> str | None:
+    """For a call with no edge: ``unresolved`` or ``missing`` when its writer recorded an
+    unresolved parent or a parent the ledger could not link, ``None`` for a root."""
+    decision = decision_of_stored(call)
+    if decision is None or decision.status == "root":
+        return None
+    return "unresolved" if decision.status == "unresolved" else "missing"
 
 
 def _entries_from_rows(rows: Sequence[Any]) -> tuple[list[TokenEntry], list[tuple[str, str]]]:

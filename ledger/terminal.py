@@ -21,8 +21,9 @@ witness wins):
     three ways: a call's cumulative ``continuation_fingerprint`` (``content_cumulative``, a
     full-transcript response), the fingerprint of a call's own ``output_items``
     (``content_output``, a final-turn-only response), or the response's trailing block of
-    consecutive model-produced items against a call's own output (``content_trailing``, a
-    merged transcript; skipped when the transcript ends in a non-model item).  Abstains with
+    consecutive model-produced items against a call's own output (a merged transcript; skipped
+    when the transcript ends in a non-model item; reported as ``content_output`` too, as NeMo
+    Gym 0.7.0 reports it: it is the same reading of the call's own output).  Abstains with
     ``response_has_no_output``, ``response_output_unfingerprintable``,
     ``no_model_authored_output``, ``content_ambiguous`` or ``no_content_match``.
 
@@ -54,7 +55,9 @@ RESPONSE_KEY = "response"
 # not end a trailing model-authored block (a transcript may close with a reasoning item).
 _FINGERPRINT_NEUTRAL_MODEL_TYPES = frozenset({"reasoning"})
 
-_CONTENT_METHODS = ("content_cumulative", "content_output", "content_trailing")
+# NeMo Gym 0.7.0's labels: a cumulative match is ``content_cumulative``; a match of a call's own
+# output, whole response or trailing block, is ``content_output``.
+_CONTENT_METHODS = ("content_cumulative", "content_output")
 
 
 def collapse_identical(candidates: Sequence[CallView]) -> CallView | None:
@@ -203,7 +206,7 @@ def _readings_for(call: CallView, target: str, trailing: str) -> set[str]:
         if own and own == target:
             hits.add("content_output")
         if own and own == trailing:
-            hits.add("content_trailing")
+            hits.add("content_output")
     return hits
 
 
