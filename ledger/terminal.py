@@ -31,7 +31,9 @@ Within a witness, several matches whose full token sequences are identical (same
 ``cumulative_digest`` and ``cumulative_len``) are one answer and collapse to the smallest call
 id; matches with different tokens are an abstention.  Witnesses that did not abstain must
 agree the same way, otherwise the verdict is ``witness_disagreement[...]`` and nothing is
-attributed.  The reason trail (abstentions, ``corroborated_by=...``) is kept either way.
+attributed; when they agree, the first witness's call is the terminal (an explicit id names
+the very attempt the harness kept, even among identical retries).  The reason trail
+(abstentions, ``corroborated_by=...``) is kept either way.
 
 Attribution never raises on malformed result content: that is an abstention.  It leaves
 ``TerminalAttribution.chain`` empty; the builder judges the chain.
@@ -112,9 +114,12 @@ def attribute_terminal(
         return TerminalAttribution(reason=",".join(reasons), declared=declared)
     if len(witnesses) > 1:
         reasons.append("corroborated_by=" + "+".join(method for method, _ in witnesses[1:]))
+    # The first witness names the call (NeMo Gym 0.7.0): with identical retries, an explicit or
+    # declared witness names the attempt the harness kept, whose log-probs are then delivered.
+    method, named = witnesses[0]
     return TerminalAttribution(
-        method=witnesses[0][0],
-        call_id=agreed.model_call_id,
+        method=method,
+        call_id=named.model_call_id,
         reason=",".join(reasons),
         declared=declared,
     )

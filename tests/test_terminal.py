@@ -301,7 +301,9 @@ def test_agreeing_witnesses_report_the_first_and_corroborate() -> None:
 def test_witnesses_naming_identical_tokens_agree() -> None:
     calls = [view("a", [USER], [FINAL], tokens="same"), view("b", [USER], [FINAL], tokens="same")]
     got = attribute({"_ng_terminal_model_call_id": "b", "response": {"id": "chatcmpl-a"}}, calls)
-    assert (got.method, got.call_id) == ("explicit", "a")
+    # They agree; the first witness names the call, as in NeMo Gym 0.7.0: the explicit id is
+    # the attempt the harness kept, so its log-probs are the ones delivered.
+    assert (got.method, got.call_id) == ("explicit", "b")
     assert "corroborated_by=response_id" in reasons(got)
 
 
