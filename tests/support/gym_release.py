@@ -252,8 +252,15 @@ class Harness:
             self.features.add("uncaptured_call")
             return
         payload = self.response(call, token_ids=not faults.get("no_token_ids"))
+        message = payload["choices"][0]["message"]
         if faults.get("bad_log_probs"):
-            payload["choices"][0]["message"]["generation_log_probs"] = call.log_probs[:-1]
+            message["generation_log_probs"] = call.log_probs[:-1]
+        if faults.get("nan_log_prob"):
+            message["generation_log_probs"] = [float("nan"), *call.log_probs[1:]]
+        if faults.get("odd_call_id"):
+            # A framework's own call id: the release stores it, the ledger's put refuses it.
+            self.features.add("odd_call_id")
+            call.call_id = f"run:{self._n}:turn:{len(self.calls)}"
         sink = self.gym.sink
         release_context = sink.CaptureContext(
             rollout_id=self.rollout_id,
@@ -308,14 +315,15 @@ async def play(h: Harness) -> dict[str, Any]:
     conv.messages.append(Message({"role": "user", "content": "task"}, text_tokens(USR, "task")))
     turns = rng.randint(1, 5)
     final: Call | None = None
+    hazard = rng.random() < 0.6  # the other rollouts are clean agent loops
     for turn in range(turns):
         last = turn == turns - 1
-        event = rng.random()
+        event = rng.random() if hazard else 1.0
         call = h.sample(conv, tool=not last)
-        if event < 0.06:
+        if event < 0.05:
             h.features.add("empty_generation")
             await h.serve(h.sample(conv, tool=not last, empty=True))
-        elif event < 0.12:
+        elif event < 0.13:
             identical = rng.random() < 0.5
             h.features.add("retry_identical" if identical else "retry")
             other = h.same_again(call, identical=identical)
@@ -328,38 +336,31 @@ async def play(h: Harness) -> dict[str, Any]:
             if turn == 0:
                 h.features.add("first_call_retry")
             final = call
-            h.keep(conv, call)
-            if not last:
-                h.tool_result(conv, call)
+            advance(h, conv, call, last)
             continue
-        elif event < 0.16:
-            h.features.add("uncaptured_call")
+        elif event < 0.17:
             await h.serve(call, capture=False)
             final = call
-            h.keep(conv, call)
-            if not last:
-                h.tool_result(conv, call)
+            advance(h, conv, call, last)
             continue
-        elif event < 0.19:
+        elif event < 0.2:
             h.features.add("capture_missing")
             await h.serve(call, no_token_ids=True)
             final = call
-            h.keep(conv, call)
-            if not last:
-                h.tool_result(conv, call)
+            advance(h, conv, call, last)
             continue
-        elif event < 0.21:
+        elif event < 0.23:
             h.features.add("malformed_entry")
-            await h.serve(call, bad_log_probs=True)
+            await h.serve(
+                call, **{rng.choice(["bad_log_probs", "nan_log_prob", "odd_call_id"]): True}
+            )
             final = call
-            h.keep(conv, call)
-            if not last:
-                h.tool_result(conv, call)
+            advance(h, conv, call, last)
             continue
-        elif event < 0.27 and conv.messages:
+        elif event < 0.29 and conv.messages:
             await rewrite(h, conv)
             call = h.sample(conv, tool=not last)
-        elif event < 0.33:
+        elif event < 0.34:
             h.features.add("compaction")
             summary = f"summary {rng.randrange(10**6)}"
             conv.messages = [
@@ -369,13 +370,33 @@ async def play(h: Harness) -> dict[str, Any]:
         elif event < 0.41:
             await sub_agent(h, conv)
             call = h.sample(conv, tool=not last)
+        elif event < 0.45 and not last:
+            # A sub-agent forked from the main history samples the very same tokens as the main
+            # agent's next call, then both conversations go on (issue 10, 5g).
+            h.features.add("identical_fork")
+            twin = h.same_again(call, identical=True)
+            sub = conv.copy()
+            await h.serve(call)
+            await h.serve(twin)
+            h.keep(sub, twin)
+            sub.messages.append(
+                Message({"role": "user", "content": "sub"}, text_tokens(USR, "sub"))
+            )
+            await h.serve(h.sample(sub, tool=False))
+            final = call
+            advance(h, conv, call, last)
+            continue
         await h.serve(call)
         final = call
-        h.keep(conv, call)
-        if not last:
-            h.tool_result(conv, call)
+        advance(h, conv, call, last)
     assert final is not None
     return scored_result(h, final, conv)
+
+
+def advance(h: Harness, conv: Conversation, call: Call, last: bool) -> None:
+    h.keep(conv, call)
+    if not last:
+        h.tool_result(conv, call)
 
 
 async def rewrite(h: Harness, conv: Conversation) -> None:
