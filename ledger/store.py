@@ -635,7 +635,10 @@ class Ledger:
         row = self._recorded_parent_row(conn, rid, decision.parent_call_id)
         if row is None:
             return
-        cumulative = self._cumulative_bytes(conn, rid, row.model_call_id)
+        try:
+            cumulative = self._cumulative_bytes(conn, rid, row.model_call_id)
+        except InvalidRecord:  # the parent's own chain is broken: nothing is shared provably
+            cumulative = b""
         pos = _first_mismatch(prep.prompt, cumulative)
         kind = "prompt_shorter" if pos * 4 == len(prep.prompt) else "token_mismatch"
         conn.execute(

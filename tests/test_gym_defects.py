@@ -595,3 +595,37 @@ async def test_5i_collect_warns_once_per_run_for_malformed_ids(db_url: str, tmp_
     malformed = [w for w in caught if "malformed rollout id" in str(w.message)]
     assert len(malformed) == 1 and report.masked == 3
     assert report.mask_reasons["malformed_rollout_id"] == 3
+
+
+async def test_5e_recorded_parent_that_the_tokens_do_not_extend_is_a_boundary(
+    ledger: Ledger, rid: Rid
+) -> None:
+    """NeMo Gym's builder checks a resolved parent by digest; a mismatch is a hard boundary."""
+    r = rid("mismatch")
+    (c0,) = loop(r, 1)
+    # Resolved to c0, but the template re-rendered c0's turn: its tokens are not a prefix.
+    c1 = gym_rec(
+        r, "c1", [*SYS, 20, *HDR, 101, 100, 3, 30, *HDR], [110, 3], decision="resolved", parent="c0"
+    )
+    await put_all(ledger, [c0, c1])
+    result = result_for(r, _ng_terminal_model_call_id="c1")
+    await finalize_rollout_token_capture(result, ledger)
+    assert result["mask_sample"] is True
+    assert result["_ng_token_capture"]["parent_link_failures"] == {"parent_digest_mismatch": 1}
+    assert release_verdict([c0, c1], result) in (None, True)
+    from ledger.store import Audit
+
+    edges = (await Audit(ledger).rollout_detail(r))["edges"]
+    assert [(e["method"], e["status"], e["mismatch_pos"]) for e in edges] == [
+        ("recorded_parent", "drifted", 6)
+    ]
+
+
+def test_gym_token_digest_is_the_releases() -> None:
+    if release_dir() is None:
+        pytest.skip("the nemo-gym 0.7.0 wheel is not cached")
+    from tests.support.gym_release import load_release
+
+    gym = load_release()
+    for ids in ([], [0], [1, 2, 3], [2**40, 7], list(range(1000))):
+        assert gym_token_digest(ids) == gym.records.compute_digest(ids)
