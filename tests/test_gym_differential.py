@@ -5,7 +5,9 @@ malformed entries, uncaptured turns, rewritten histories, sub-agents, delta reco
 through the release's own serving path into the release's file store and into the ledger
 (``tests/support/gym_release.py``).  Each rollout is then finalized by both: the release's
 consumer (``trajectories_from_source`` over its ``TokenCaptureStore``, as its
-``finalize_rollout_token_capture`` calls it) and the ledger's ``finalize_rollout_token_capture``.
+``finalize_rollout_token_capture`` calls it) and the ledger's ``finalize_rollout_token_capture``;
+and, third, the release's consumer over the ledger's own frozen snapshot, which must decide and
+deliver exactly as over the release's store.
 
 The mask decision, and for delivered rollouts every output item (token ids, log-probs, text),
 must be equal, except the differences listed in ``docs/gym-differences.md``, each recognised
@@ -139,6 +141,23 @@ def difference(
     pytest.fail(f"the ledger masks what 0.7.0 delivers, undocumented: {seen}")
 
 
+class FrozenForRelease:
+    """The ledger's frozen snapshot as a release ``TokenSource`` (release ``TokenEntry``s)."""
+
+    def __init__(self, gym: SimpleNamespace, snapshot: Any) -> None:
+        self.gym, self.snapshot = gym, snapshot
+
+    async def freeze(self, rollout_id: str) -> Any:
+        snap = self.snapshot
+        entries = tuple(
+            self.gym.records.TokenEntry.model_validate(e.model_dump(mode="json"))
+            for e in snap.entries
+        )
+        return self.gym.protocols.TokenCaptureSnapshot(
+            rollout_id, entries, snap.incomplete, snap.snapshot_id, snap.version
+        )
+
+
 async def run_cases(
     gym: SimpleNamespace, db_url: str, tmp_path: Path, seeds: range
 ) -> Counter[str]:
@@ -185,6 +204,25 @@ async def run_cases(
                 raise AssertionError(f"seed {seed} ({rollout_id}): {exc}") from None
             kind = "masked" if build["mask_sample"] else "delivered"
             tally[label or f"equal_{kind}"] += 1
+            # Third leg: the release's own consumer over the ledger's frozen snapshot decides
+            # and delivers as it does over its own file store.
+            replayed = await gym.consumer.trajectories_from_source(
+                rollout_id,
+                FrozenForRelease(gym, await source.freeze(rollout_id)),
+                model=str(response.get("model") or ""),
+                verified_response=response or None,
+                explicit_terminal_call_id=result.get("_ng_terminal_model_call_id"),
+                declared_response_id=result.get("terminal_response_id"),
+            )
+            if label != REFUSED_CALL_ID:
+                assert bool(replayed["mask_sample"]) == bool(release["mask_sample"]), (
+                    f"seed {seed}: the release decides otherwise over the ledger's snapshot"
+                )
+                if not release["mask_sample"]:
+                    assert (
+                        replayed["rebuilt_response"]["output"]
+                        == (release["rebuilt_response"]["output"])
+                    ), f"seed {seed}: the release delivers otherwise over the ledger's snapshot"
     finally:
         await sink.close()
         await source.close()

@@ -58,7 +58,11 @@ def load_release() -> SimpleNamespace:
 
 class ReplayResolver:
     """A lineage resolver that answers with the decision the release's resolver made for the
-    same call: both ends then hold records with the same recorded parent decisions."""
+    same call: both ends then hold records with the same recorded parent decisions.
+
+    TODO(lead): once ``CaptureLineageStore.resolve(rollout_id, request_items)`` lands (issue 10
+    point 2), add a variant that resolves the ledger's side through it instead.
+    """
 
     def __init__(self) -> None:
         self.next: Any = None
