@@ -281,7 +281,15 @@ async def test_5c_marking_any_call_id_over_http(service: Service, rid: Rid) -> N
             json={"model_call_id": "a/b c:d"},
             headers={"Authorization": "Bearer w-tok"},
         )
-    assert resp.status_code == 200, resp.text
+        assert resp.status_code == 200, resp.text
+        # NUL, which neither database stores as sent.  (A lone surrogate is not text: JSON
+        # parsing refuses it with a 422 before the ledger sees it; in process it is stored.)
+        raw = await client.post(
+            f"{service.url}/ledger/v1/rollouts/{r}/incomplete",
+            content=b'{"model_call_id": "a\\u0000b"}',
+            headers={"Authorization": "Bearer w-tok", "Content-Type": "application/json"},
+        )
+        assert raw.status_code == 200, raw.text
 
 
 # ----------------------------------------------------------------------- 5e, 5f
