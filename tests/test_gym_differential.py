@@ -39,7 +39,7 @@ from ledger.gym import CaptureSink, CaptureSource
 from tests.support.gym_release import Harness, load_release, play
 from tests.test_remote import Service, _serve
 
-DEFAULT_CASES = 100
+DEFAULT_CASES = 80
 SLOW_CASES = int(os.environ.get("ROLLOUT_LEDGER_DIFF_CASES", "2500"))
 
 # Documented differences (docs/gym-differences.md), by the name the test reports.
