@@ -245,7 +245,8 @@ class CancelOut(BaseModel):
 class IncompleteBody(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    model_call_id: str = Field(default="", max_length=200)
+    # Any call id, even one ``put`` refused: marking must be more available than ``put``.
+    model_call_id: str = Field(default="", max_length=100_000)
     reason: str = Field(default="capture_failed", max_length=64, pattern=REASON_PATTERN)
     detail: Text = Field(default="", max_length=4000)
 

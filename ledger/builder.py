@@ -15,17 +15,22 @@ Rules, in the order they are applied:
    token-proven.  Otherwise the child is a root with the boundary ``parent_empty_generation``.
 2. **Edges.**  ``verified`` with the parent among the calls links.  Everything else makes the
    child a root with an *unresolved boundary*: ``parent_drifted`` (the conversation continues
-   the parent but the tokens do not), ``parent_call_missing`` (the parent is not among the
-   calls, or an edge names no parent), ``parent_unverified`` (a parent with any other edge
-   status).  ``ambiguous`` is a
+   the parent but the tokens do not), ``parent_digest_mismatch`` (the writer's recorded parent,
+   NeMo Gym's request-time decision, is not a token prefix of the prompt),
+   ``parent_unresolved`` (the writer recorded an unresolved parent: the request continues
+   history nobody captured, or history it rewrote), ``parent_call_id_missing`` (the parent is
+   not among the calls, or an edge names no parent), ``parent_unverified`` (a parent with any
+   other edge status).  ``ambiguous`` is a
    boundary too (``ambiguous_parent``), and it quarantines the child and its whole subtree;
    the child hangs under the named parent when the lengths allow it, so that parent is not
    mistaken for the end of its conversation.  Every boundary counts in
    ``unresolved_parent_calls``.
 3. **Retry siblings**: non-quarantined calls with the same link parent (all roots share one
    group) and the same prompt (``prompt_digest`` + ``prompt_len``).  Members with the same
-   cumulative tokens are one generation: one representative stays (on the terminal path,
-   else extended by a call, else the smallest id) and the others are quarantined
+   cumulative tokens are one generation.  Every member on the terminal path or extended by a
+   call stays (two extended members are two conversations that forked after the same tokens,
+   a sub-agent and the main agent for example: both chains stay, as in NeMo Gym); when no
+   member is, one representative (the smallest id) stays.  The others are quarantined
    ``identical_retry``; they never mask.  Among different generations, every generation that a
    non-quarantined call extended and the one on the attributed terminal path are kept.  If
    none is, the smallest id is kept; without an attributed terminal that group is an
@@ -44,6 +49,10 @@ Rules, in the order they are applied:
    ``capture_incomplete`` (the caller may still project it for diagnosis); the delivered chain
    is labelled ``main`` and the others ``branch-0``, ``branch-1``, ... in order of
    (root created_at, root id, leaf created_at, leaf id).
+7. **Metrics** have NeMo Gym 0.7.0's names and meanings: ``generated_tokens_delivered`` and
+   ``delivered_fraction`` count the *main* chain (the delivered one, else the chain whose root
+   came first), also when the rollout masks; ``quarantined_fraction`` is quarantined calls over
+   ``n_calls``; the unresolved retries and unresolved parent calls are lists on the plan.
 
 Roles (``deliver="all-chains"`` emits every chain, ``"one"`` only the delivered one; the
 masking rules are the same): the delivered chain is ``terminal``.  Another chain is
@@ -93,6 +102,11 @@ MASK_REASONS = (
 )
 
 _CHAIN_MASK = {"broken": "terminal_broken", "not_captured": "terminal_not_captured"}
+
+# The edge method of a link the writer recorded (NeMo Gym's request-time parent decision).
+RECORDED_PARENT_METHOD = "recorded_parent"
+# Boundaries of a call that has no parent edge although its writer did not record a root.
+_BOUNDARY_WITHOUT_PARENT = {"unresolved": "parent_unresolved", "missing": "parent_call_id_missing"}
 
 
 class BuildInputError(ValueError):
@@ -171,12 +185,25 @@ def plan_build(
     counts.chains = len(chains)
     counts.roots = sum(1 for cid in lineage.order if lineage.parent[cid] is None)
     counts.unresolved = dict(lineage.boundary)
-    counts.unresolved_retry_calls = len(unresolved_retry)
-    if delivered is not None:
-        counts.delivered = sum(lineage.calls[cid].generation_len for cid in delivered.call_ids)
+    counts.unresolved_retries = list(unresolved_retry)
+    main = _main_chain(lineage, paths, main_path)
+    counts.delivered = sum(lineage.calls[cid].generation_len for cid in main)
     emitted = chains if deliver == "all-chains" else [c for c in chains if c is delivered]
     quarantines = sorted(lineage.quarantines.values(), key=lambda q: q.model_call_id)
     return counts.plan(emitted, delivered, quarantines, terminal, reasons)
+
+
+def _main_chain(
+    lineage: _Lineage, paths: list[list[str]], main_path: list[str] | None
+) -> list[str]:
+    """NeMo Gym's main chain: the delivered one, else the chain whose root has the smallest
+    (created_at, call id); what ``generated_tokens_delivered`` counts, masked or not."""
+    if main_path is not None:
+        return main_path
+    if not paths:
+        return []
+    calls = lineage.calls
+    return min(paths, key=lambda p: (calls[p[0]].created_at, p[0]))
 
 
 def failed_plan(
@@ -208,7 +235,7 @@ class _Counts:
     roots: int = 0
     empty: int = 0
     unresolved: dict[str, str] = field(default_factory=dict)
-    unresolved_retry_calls: int = 0
+    unresolved_retries: list[str] = field(default_factory=list)
 
     def plan(
         self,
@@ -223,12 +250,14 @@ class _Counts:
         for reason in sorted(self.unresolved.values()):
             failures[reason] = failures.get(reason, 0) + 1
         fraction = round(self.delivered / self.captured, 4) if self.captured else 0.0
+        quarantined = round(len(quarantines) / self.n_calls, 4) if self.n_calls else 0.0
         metrics: dict[str, Any] = {
             "n_calls": self.n_calls,
             "chains": self.chains,
             "roots": self.roots,
             "delivered_fraction": fraction,
             "quarantined_calls": len(quarantines),
+            "quarantined_fraction": quarantined,
             "empty_generation_calls": self.empty,
             "unresolved_parent_calls": len(self.unresolved),
             "terminal_attribution": terminal.as_metrics(),
@@ -238,9 +267,17 @@ class _Counts:
             "generated_tokens_delivered": self.delivered,
             "mask_reasons": list(ordered),
             "parent_link_failures": failures,
-            "unresolved_retry_calls": self.unresolved_retry_calls,
         }
-        return BuildPlan(chains, delivered, quarantines, terminal, ordered, metrics)
+        return BuildPlan(
+            chains,
+            delivered,
+            quarantines,
+            terminal,
+            ordered,
+            metrics,
+            unresolved_retries=list(self.unresolved_retries),
+            unresolved_parent_calls=sorted(self.unresolved),
+        )
 
 
 # ---------------------------------------------------------------------------------- lineage
@@ -296,17 +333,20 @@ def _effective_edge(call: CallView, by_id: dict[str, CallView]) -> tuple[str | N
         parent_id = current.parent_call_id
         if parent_id is None:
             # An edge whose parent the snapshot could not name is not a root.
-            return None, (None if current.edge_status is None else "parent_call_missing")
+            if current.edge_status is None:
+                return None, None
+            return None, _BOUNDARY_WITHOUT_PARENT.get(current.edge_status, "parent_call_id_missing")
         parent = by_id.get(parent_id)
         if current.edge_status == "ambiguous":
             usable = parent is not None and parent.generation_len > 0
             return (parent_id if usable else None), "ambiguous_parent"
         if current.edge_status == "drifted":
-            return None, "parent_drifted"
+            recorded = current.edge_method == RECORDED_PARENT_METHOD
+            return None, "parent_digest_mismatch" if recorded else "parent_drifted"
         if current.edge_status != "verified":
             return None, "parent_unverified"
         if parent is None:
-            return None, "parent_call_missing"
+            return None, "parent_call_id_missing"
         if parent.generation_len > 0:
             return parent_id, None
         if (parent.cumulative_digest, parent.cumulative_len) != (
@@ -374,23 +414,25 @@ def _resolve_retries(lineage: _Lineage, terminal_path: list[str], *, attributed:
         for cid in groups[key]:
             call = lineage.calls[cid]
             generations[(call.cumulative_digest, call.cumulative_len)].append(cid)
-        reps = {
-            gen: min(ids, key=lambda cid: (cid not in on_path, not extended(cid), cid))
+        # Members another call extended, or on the terminal path, are evidence of what the
+        # harness kept: every one of them stays, even when their tokens are identical.
+        needed = {
+            gen: [cid for cid in ids if cid in on_path or extended(cid)]
             for gen, ids in generations.items()
         }
-        kept = {
-            gen for gen, rep in reps.items() if len(reps) == 1 or rep in on_path or extended(rep)
-        }
+        reps = {gen: (needed[gen] or ids)[0] for gen, ids in generations.items()}
+        kept = {gen for gen in generations if len(generations) == 1 or needed[gen]}
         if not kept:
             kept = {min(reps, key=reps.__getitem__)}
             if not attributed:
                 unresolved.extend(groups[key])
         kept_ids = ", ".join(sorted(reps[gen] for gen in kept))
         for gen, ids in sorted(generations.items()):
+            stays = set(needed[gen]) or {reps[gen]}
             for cid in ids:
                 if gen not in kept:
                     lineage.quarantine(cid, "retry_not_kept", f"retry of {kept_ids}")
-                elif cid != reps[gen]:
+                elif cid not in stays:
                     lineage.quarantine(cid, "identical_retry", f"same tokens as {reps[gen]}")
     return sorted(unresolved)
 

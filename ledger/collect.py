@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import json
 import os
+import warnings
 from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -338,6 +339,7 @@ async def collect(
     sem = asyncio.Semaphore(max(1, concurrency))
     stop = asyncio.Event()
     failure: list[str] = []
+    warn_malformed = _warn_once_per_run()
 
     async def retire_written(row: dict[str, Any]) -> bool:
         snap = row.get(SNAPSHOT_KEY)
@@ -371,6 +373,7 @@ async def collect(
                 report.already_retired.append((line_no, str((build or {}).get("rollout_id"))))
                 return
             report.finalized += 1
+            warn_malformed(build)
             masked = bool(row.get("mask_sample"))
             if masked:
                 report.masked += 1
@@ -454,6 +457,26 @@ async def collect(
     if report.aborted:
         raise CollectAborted(report.aborted, report)
     return report
+
+
+def _warn_once_per_run() -> Callable[[dict[str, Any] | None], None]:
+    """NeMo Gym warns once per collection run, not once per row, about malformed rollout ids:
+    such a row is masked and its records (if any) are never retired."""
+    warned = False
+
+    def warn(build: dict[str, Any] | None) -> None:
+        nonlocal warned
+        if warned or not build or "malformed_rollout_id" not in (build.get("mask_reasons") or []):
+            return
+        warned = True
+        error = (build.get("metrics") or {}).get("error", "")
+        warnings.warn(
+            f"a result carries a malformed rollout id ({error}); it is masked and its token "
+            "capture will not be retired (further rows like it are not warned about again).",
+            stacklevel=2,
+        )
+
+    return warn
 
 
 async def _drain(tasks: list[asyncio.Task[None]], keep: int) -> None:

@@ -68,8 +68,27 @@ def _masked_build(rollout_id: str | None, error: str, reason: str) -> dict[str, 
     }
 
 
+# The mask reason reported when the environment (the verifier) had already set ``mask_sample``.
+ENVIRONMENT_MASK_REASON = "environment_mask_sample"
+
+
+def _keep_environment_mask(result: Mapping[str, Any], build: dict[str, Any]) -> None:
+    """An environment's ``mask_sample: true`` stands whatever capture says (as in NeMo Gym):
+    name it among the record's mask reasons.  The build's own verdict (``mask_sample``, which
+    decides retirement) stays the capture's."""
+    if not result.get("mask_sample"):
+        return
+    for holder in (build, build.get("metrics")):
+        if isinstance(holder, dict):
+            reasons = list(holder.get("mask_reasons") or [])
+            if ENVIRONMENT_MASK_REASON not in reasons:
+                holder["mask_reasons"] = [*reasons, ENVIRONMENT_MASK_REASON]
+
+
 def _apply(result: dict[str, Any], build: dict[str, Any]) -> None:
-    """Write the build into the rollout result (only ``output``/``usage`` of the response)."""
+    """Write the build into the rollout result (only ``output``/``usage`` of the response).
+
+    ``mask_sample`` is only ever set, never cleared: an environment's mask stands."""
     rebuilt = build.get("rebuilt_response")
     if rebuilt is not None:
         response = result.get("response")
@@ -81,8 +100,6 @@ def _apply(result: dict[str, Any], build: dict[str, Any]) -> None:
     result["_ng_token_capture"] = build["metrics"]
     if build["mask_sample"]:
         result["mask_sample"] = True
-    else:
-        result.pop("mask_sample", None)
 
 
 async def finalize_rollout_token_capture(
@@ -118,6 +135,7 @@ async def finalize_rollout_token_capture(
         log.warning("finalize failed for rollout %s: %s", rollout_id, exc)
         build = _masked_build(rollout_id, f"{type(exc).__name__}: {exc}", "source_error")
     if build.get("outcome") != "redundant":
+        _keep_environment_mask(result, build)
         _apply(result, build)
     return build
 
@@ -292,6 +310,8 @@ async def _execute(
         "snapshot_id": views.snapshot_id,
         "version": views.version,
         "_capture_snapshot": {"snapshot_id": views.snapshot_id, "version": views.version},
+        "unresolved_retries": list(plan.unresolved_retries),
+        "unresolved_parent_calls": list(plan.unresolved_parent_calls),
     }
     if deliver == "all-chains":
         build["trajectories"] = trajectories

@@ -46,16 +46,19 @@ def validate_call_id(value: object) -> str:
 def rollout_id_from_run_body(body: Mapping[str, Any]) -> str | None:
     """The capture key of a run request or rollout result, or ``None`` if it has none.
 
-    An explicit ``_ng_rollout_id`` wins; otherwise ``"{_ng_task_index}-{_ng_rollout_index}"``,
-    with ``-a{n}`` appended for an ``_ng_attempt_index`` above 0.
+    Derived exactly as NeMo Gym 0.7.0 derives it: the explicit ``_ng_rollout_id`` if present
+    (a malformed one is an error, never sanitized), otherwise
+    ``"{_ng_task_index}-{_ng_rollout_index}"``; in both cases an ``_ng_attempt_index`` above 0
+    appends ``-a{n}``, so every re-dispatch attempt has its own records.
     """
     explicit = body.get("_ng_rollout_id")
     if explicit is not None:
-        return validate_rollout_id(explicit)
-    task, rollout = body.get("_ng_task_index"), body.get("_ng_rollout_index")
-    if task is None or rollout is None:
-        return None
-    rid = f"{task}-{rollout}"
+        rid = validate_rollout_id(explicit)
+    else:
+        task, rollout = body.get("_ng_task_index"), body.get("_ng_rollout_index")
+        if task is None or rollout is None:
+            return None
+        rid = f"{task}-{rollout}"
     attempt = body.get("_ng_attempt_index")
     if attempt is not None:
         try:

@@ -69,7 +69,7 @@ class TerminalAttribution:
     """Which captured call produced the verifier-scored response, and how that was decided.
 
     ``method`` is one of ``explicit``, ``declared``, ``response_id``, ``content_cumulative``,
-    ``content_output``, ``content_trailing`` or ``none``; ``chain`` is ``""``, ``delivered``,
+    ``content_output`` or ``none`` (NeMo Gym 0.7.0's labels); ``chain`` is ``""``, ``delivered``,
     ``broken``, ``not_captured`` or ``error``; ``reason`` keeps the abstention trail.
     """
 
@@ -108,6 +108,9 @@ class BuildPlan:
     terminal: TerminalAttribution
     mask_reasons: list[str]
     metrics: dict[str, Any]
+    # NeMo Gym 0.7.0 reports these lists on the build, not in the metrics block.
+    unresolved_retries: list[str] = field(default_factory=list)
+    unresolved_parent_calls: list[str] = field(default_factory=list)
 
     @property
     def masked(self) -> bool:

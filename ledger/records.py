@@ -26,7 +26,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from array import array
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from enum import StrEnum
 from typing import Any
 
@@ -275,15 +275,18 @@ def _as_mapping(entry: Any) -> Mapping[str, Any]:
     )
 
 
-def gym_token_digest(token_ids: list[int]) -> str:
-    """NeMo Gym 0.7.0's ``compute_digest`` of a token sequence (what ``digest`` holds)."""
-    if any(t < 0 for t in token_ids):
-        raise ValueError("token ids must be non-negative for the Gym digest")
+def gym_token_digest(token_ids: Sequence[int]) -> str:
+    """NeMo Gym 0.7.0's ``compute_digest`` of a token sequence (what ``digest`` holds): SHA-256
+    over the domain ``nemo-gym-tokens``, a version byte, the length as 8 bytes big-endian, then
+    every id as 8 bytes big-endian unsigned (negative ids raise ``ValueError``)."""
     h = hashlib.sha256(_GYM_DIGEST_DOMAIN)
     if not token_ids:
         return h.hexdigest()
     h.update(struct.pack(">BQ", _GYM_DIGEST_VERSION, len(token_ids)))
-    h.update(struct.pack(f">{len(token_ids)}Q", *token_ids))
+    try:
+        h.update(struct.pack(f">{len(token_ids)}Q", *token_ids))
+    except struct.error:
+        raise ValueError("token ids must be non-negative for the Gym digest") from None
     return h.hexdigest()
 
 

@@ -26,6 +26,7 @@ from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, OperationalErr
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
 from ledger import codec
+from ledger.builder import RECORDED_PARENT_METHOD
 from ledger.engine import READ_ONLY, make_engine, make_sync_engine
 from ledger.errors import (
     InvalidInput,
@@ -36,7 +37,8 @@ from ledger.errors import (
     RolloutRetired,
     Unavailable,
 )
-from ledger.ids import validate_call_id, validate_rollout_id
+from ledger.ids import MAX_CALL_ID_LEN, is_valid_id, validate_call_id, validate_rollout_id
+from ledger.lineage_ingest import decision_of_stored
 from ledger.model import CallView, ChainLinkTokens, Quarantine
 from ledger.records import TokenEntry, coerce_entry
 from ledger.storage import ingest
@@ -154,6 +156,23 @@ def _validate_reason(reason: str) -> str:
 
 
 _first_mismatch = ingest.first_mismatch
+
+
+def _storable_call_id(model_call_id: object, detail: str) -> tuple[str, str]:
+    """The form of any call id an incomplete event can store, and the detail to store with it.
+
+    A valid id is kept as is.  Anything else (a ``put`` may have refused it) is kept readable
+    and bounded: NUL and lone surrogates, which neither database stores, are escaped, the text
+    is cut to the column's 200 characters, and the full original goes into the detail.
+    """
+    text = model_call_id if isinstance(model_call_id, str) else repr(model_call_id)
+    if not text or is_valid_id(text, MAX_CALL_ID_LEN):
+        return text, detail
+    storable = text.replace("\x00", "\\x00").encode("utf-8", "backslashreplace").decode("utf-8")
+    if storable == text and len(text) <= MAX_CALL_ID_LEN:
+        return text, detail
+    note = f"model_call_id as sent: {storable[:1000]!r}"
+    return storable[:MAX_CALL_ID_LEN], f"{detail}; {note}" if detail else note
 
 
 class Ledger:
@@ -638,8 +657,9 @@ class Ledger:
     ) -> int:
         """Durably mark the rollout incomplete (allowed after freeze; bumps the version)."""
         validate_rollout_id(rollout_id)
-        if model_call_id:
-            validate_call_id(model_call_id)
+        # More available than ``put`` (NeMo Gym's TokenSink contract): the call id is whatever
+        # the writer used, including one ``put`` refused, so it is stored, never validated.
+        call_id, detail = _storable_call_id(model_call_id, detail)
         _validate_reason(reason)
 
         def body(conn: Connection) -> int:
@@ -649,7 +669,7 @@ class Ledger:
                     f"token capture for rollout {rollout_id} is retired; mark_incomplete refused",
                     rollout_id=rollout_id,
                 )
-            return self._add_incomplete(conn, rollout_id, model_call_id, reason, detail)
+            return self._add_incomplete(conn, rollout_id, call_id, reason, detail)
 
         return await self._transact(body)
 
@@ -1202,6 +1222,7 @@ def _views(calls: Sequence[Any], edges: Sequence[Any]) -> list[CallView]:
     for c in calls:
         e = edge_of.get(c.id)
         parent = by_pk.get(e.parent_id) if e is not None else None
+        boundary = _recorded_boundary(c) if e is None else None
         views.append(
             CallView(
                 model_call_id=c.model_call_id,
@@ -1212,8 +1233,8 @@ def _views(calls: Sequence[Any], edges: Sequence[Any]) -> list[CallView]:
                 prompt_digest=c.prompt_digest,
                 created_at=c.created_at or 0.0,
                 parent_call_id=parent.model_call_id if parent is not None else None,
-                edge_method=e.method if e is not None else None,
-                edge_status=e.status if e is not None else None,
+                edge_method=e.method if e is not None else (boundary and RECORDED_PARENT_METHOD),
+                edge_status=e.status if e is not None else boundary,
                 shared_len=e.shared_len if e is not None else None,
                 response_id=c.response_id,
                 output_items=list(c.output_items or []),
@@ -1224,6 +1245,15 @@ def _views(calls: Sequence[Any], edges: Sequence[Any]) -> list[CallView]:
             )
         )
     return views
+
+
+def _recorded_boundary(call: Any) -> str | None:
+    """For a call with no edge: ``unresolved`` or ``missing`` when its writer recorded an
+    unresolved parent or a parent the ledger could not link, ``None`` for a root."""
+    decision = decision_of_stored(call)
+    if decision is None or decision.status == "root":
+        return None
+    return "unresolved" if decision.status == "unresolved" else "missing"
 
 
 def _entries_from_rows(rows: Sequence[Any]) -> tuple[list[TokenEntry], list[tuple[str, str]]]:

@@ -21,8 +21,9 @@ witness wins):
     three ways: a call's cumulative ``continuation_fingerprint`` (``content_cumulative``, a
     full-transcript response), the fingerprint of a call's own ``output_items``
     (``content_output``, a final-turn-only response), or the response's trailing block of
-    consecutive model-produced items against a call's own output (``content_trailing``, a
-    merged transcript; skipped when the transcript ends in a non-model item).  Abstains with
+    consecutive model-produced items against a call's own output (a merged transcript; skipped
+    when the transcript ends in a non-model item; reported as ``content_output`` too, as NeMo
+    Gym 0.7.0 reports it: it is the same reading of the call's own output).  Abstains with
     ``response_has_no_output``, ``response_output_unfingerprintable``,
     ``no_model_authored_output``, ``content_ambiguous`` or ``no_content_match``.
 
@@ -30,7 +31,9 @@ Within a witness, several matches whose full token sequences are identical (same
 ``cumulative_digest`` and ``cumulative_len``) are one answer and collapse to the smallest call
 id; matches with different tokens are an abstention.  Witnesses that did not abstain must
 agree the same way, otherwise the verdict is ``witness_disagreement[...]`` and nothing is
-attributed.  The reason trail (abstentions, ``corroborated_by=...``) is kept either way.
+attributed; when they agree, the first witness's call is the terminal (an explicit id names
+the very attempt the harness kept, even among identical retries).  The reason trail
+(abstentions, ``corroborated_by=...``) is kept either way.
 
 Attribution never raises on malformed result content: that is an abstention.  It leaves
 ``TerminalAttribution.chain`` empty; the builder judges the chain.
@@ -54,7 +57,9 @@ RESPONSE_KEY = "response"
 # not end a trailing model-authored block (a transcript may close with a reasoning item).
 _FINGERPRINT_NEUTRAL_MODEL_TYPES = frozenset({"reasoning"})
 
-_CONTENT_METHODS = ("content_cumulative", "content_output", "content_trailing")
+# NeMo Gym 0.7.0's labels: a cumulative match is ``content_cumulative``; a match of a call's own
+# output, whole response or trailing block, is ``content_output``.
+_CONTENT_METHODS = ("content_cumulative", "content_output")
 
 
 def collapse_identical(candidates: Sequence[CallView]) -> CallView | None:
@@ -109,9 +114,12 @@ def attribute_terminal(
         return TerminalAttribution(reason=",".join(reasons), declared=declared)
     if len(witnesses) > 1:
         reasons.append("corroborated_by=" + "+".join(method for method, _ in witnesses[1:]))
+    # The first witness names the call (NeMo Gym 0.7.0): with identical retries, an explicit or
+    # declared witness names the attempt the harness kept, whose log-probs are then delivered.
+    method, named = witnesses[0]
     return TerminalAttribution(
-        method=witnesses[0][0],
-        call_id=agreed.model_call_id,
+        method=method,
+        call_id=named.model_call_id,
         reason=",".join(reasons),
         declared=declared,
     )
@@ -203,7 +211,7 @@ def _readings_for(call: CallView, target: str, trailing: str) -> set[str]:
         if own and own == target:
             hits.add("content_output")
         if own and own == trailing:
-            hits.add("content_trailing")
+            hits.add("content_output")
     return hits
 
 

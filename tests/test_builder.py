@@ -42,7 +42,7 @@ METRIC_KEYS = {
     "generated_tokens_delivered",
     "mask_reasons",
     "parent_link_failures",
-    "unresolved_retry_calls",
+    "quarantined_fraction",
 }
 
 
@@ -225,7 +225,7 @@ def test_tool_loop_delivers_one_chain_with_full_metrics() -> None:
         "generated_tokens_delivered": captured,
         "mask_reasons": [],
         "parent_link_failures": {},
-        "unresolved_retry_calls": 0,
+        "quarantined_fraction": 0.0,
     }
     assert plan.metrics["terminal_attribution"]["chain"] == ""
     assert plan.metrics["terminal_attribution"]["method"] == "none"
@@ -312,7 +312,7 @@ def test_unresolved_retry_of_the_final_call_masks() -> None:
     plan = r.plan()
     assert plan.mask_reasons == ["unresolved_retry"]
     assert plan.delivered is None
-    assert plan.metrics["unresolved_retry_calls"] == 2
+    assert plan.unresolved_retries == ["f1", "f2"]
     assert [(q.model_call_id, q.reason) for q in plan.quarantines] == [("f2", "retry_not_kept")]
 
 
@@ -330,7 +330,7 @@ def test_attributed_final_retry_keeps_the_terminal(kept: str) -> None:
     assert [(q.model_call_id, q.reason) for q in plan.quarantines] == [
         (dropped.pop(), "retry_not_kept")
     ]
-    assert plan.metrics["unresolved_retry_calls"] == 0
+    assert plan.unresolved_retries == []
 
 
 def test_identical_final_retries_are_the_same_tokens_and_never_mask() -> None:
@@ -403,7 +403,7 @@ def test_off_path_retry_does_not_mask_an_attributed_rollout() -> None:
     assert plan.mask_reasons == []
     assert plan.delivered is not None and plan.delivered.call_ids == tuple(ids)
     assert [(q.model_call_id, q.reason) for q in plan.quarantines] == [("t2", "retry_not_kept")]
-    assert plan.metrics["unresolved_retry_calls"] == 0
+    assert plan.unresolved_retries == []
 
 
 def test_retried_fork_where_both_siblings_were_extended_keeps_both() -> None:
@@ -507,7 +507,12 @@ def test_title_generation_side_call_masks_without_attribution() -> None:
     assert plan.delivered is None
     assert plan.metrics["chains"] == 2
     assert plan.metrics["roots"] == 2
-    assert plan.metrics["delivered_fraction"] == 0.0
+    # NeMo Gym 0.7.0's meaning: the main chain (the one whose root came first, here the title
+    # call) is counted even though the rollout masks.
+    title_tokens = r.views["title"].generation_len
+    captured = plan.metrics["generated_tokens_captured"]
+    assert plan.metrics["generated_tokens_delivered"] == title_tokens
+    assert plan.metrics["delivered_fraction"] == round(title_tokens / captured, 4)
 
 
 def test_sub_agent_side_chain_is_side_and_excluded() -> None:
@@ -672,7 +677,7 @@ def test_missing_parent_is_an_unresolved_boundary() -> None:
     ids = tool_loop(r, 2)
     orphan = dataclasses.replace(r.views[ids[1]], parent_call_id="filtered-call")
     plan = plan_build([r.views[ids[0]], orphan], n_calls=2, incomplete=False, result=None)
-    assert plan.metrics["parent_link_failures"] == {"parent_call_missing": 1}
+    assert plan.metrics["parent_link_failures"] == {"parent_call_id_missing": 1}
     assert plan.mask_reasons == ["unresolved_parent", "multiple_chains_unattributed"]
 
 
@@ -681,7 +686,7 @@ def test_edge_without_a_parent_id_is_missing_not_a_root() -> None:
     ids = tool_loop(r, 1)
     anonymous = dataclasses.replace(r.views[ids[0]], parent_call_id=None, edge_status="verified")
     plan = plan_build([anonymous], n_calls=1, incomplete=False, result=None)
-    assert plan.metrics["parent_link_failures"] == {"parent_call_missing": 1}
+    assert plan.metrics["parent_link_failures"] == {"parent_call_id_missing": 1}
     assert plan.mask_reasons == ["unresolved_parent"]
 
 

@@ -202,23 +202,23 @@ def test_content_output_for_a_final_turn_only_response() -> None:
     assert (got.method, got.call_id) == ("content_output", "c3")
 
 
-def test_content_trailing_for_a_merged_transcript() -> None:
+def test_content_output_reads_the_trailing_block_for_a_merged_transcript() -> None:
     # The harness merged a sub-agent's tool call into the transcript: the whole-transcript
     # fingerprint matches no call, its trailing model-authored block is c3's own output.
     foreign = {"type": "function_call", "call_id": "sub_1", "name": "search", "arguments": "{}"}
     merged = [foreign, {"type": "function_call_output", "call_id": "sub_1", "output": "x"}, FINAL]
     got = attribute({"response": {"output": merged}})
-    assert (got.method, got.call_id) == ("content_trailing", "c3")
+    assert (got.method, got.call_id) == ("content_output", "c3")
 
 
-def test_content_trailing_block_includes_reasoning_items() -> None:
+def test_content_output_trailing_block_includes_reasoning_items() -> None:
     foreign = {"type": "function_call", "call_id": "sub_1", "name": "search", "arguments": "{}"}
     merged = [foreign, RESULT_ROME, FINAL, REASONING]
     got = attribute({"response": {"output": merged}})
-    assert (got.method, got.call_id) == ("content_trailing", "c3")
+    assert (got.method, got.call_id) == ("content_output", "c3")
 
 
-def test_content_trailing_block_includes_empty_assistant_messages() -> None:
+def test_content_output_trailing_block_includes_empty_assistant_messages() -> None:
     foreign = {"type": "function_call", "call_id": "sub_1", "name": "search", "arguments": "{}"}
     blank = {
         "type": "message",
@@ -226,10 +226,10 @@ def test_content_trailing_block_includes_empty_assistant_messages() -> None:
         "content": [{"type": "output_text", "text": ""}],
     }
     got = attribute({"response": {"output": [foreign, RESULT_ROME, FINAL, blank]}})
-    assert (got.method, got.call_id) == ("content_trailing", "c3")
+    assert (got.method, got.call_id) == ("content_output", "c3")
 
 
-def test_content_trailing_is_skipped_when_the_transcript_ends_in_a_tool_result() -> None:
+def test_trailing_block_is_skipped_when_the_transcript_ends_in_a_tool_result() -> None:
     foreign = {"type": "function_call", "call_id": "sub_1", "name": "search", "arguments": "{}"}
     pending = [foreign, RESULT_ROME, FINAL, RESULT_PARIS]
     got = attribute({"response": {"output": pending}})
@@ -301,7 +301,9 @@ def test_agreeing_witnesses_report_the_first_and_corroborate() -> None:
 def test_witnesses_naming_identical_tokens_agree() -> None:
     calls = [view("a", [USER], [FINAL], tokens="same"), view("b", [USER], [FINAL], tokens="same")]
     got = attribute({"_ng_terminal_model_call_id": "b", "response": {"id": "chatcmpl-a"}}, calls)
-    assert (got.method, got.call_id) == ("explicit", "a")
+    # They agree; the first witness names the call, as in NeMo Gym 0.7.0: the explicit id is
+    # the attempt the harness kept, so its log-probs are the ones delivered.
+    assert (got.method, got.call_id) == ("explicit", "b")
     assert "corroborated_by=response_id" in reasons(got)
 
 

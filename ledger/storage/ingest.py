@@ -21,7 +21,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 from ledger import codec
+from ledger.builder import RECORDED_PARENT_METHOD
 from ledger.errors import InvalidRecord, LedgerError, PayloadConflict, RolloutFrozen, RolloutRetired
+from ledger.lineage_ingest import recorded_decision
 from ledger.records import TokenEntry, payload_digest
 from ledger.storage.statements import STATEMENTS
 from ledger.storage.tips import PrefixHasher, Tip, TipCache
@@ -212,7 +214,7 @@ def put_steps(
     refuse_if_closed(rid, state, f"record for call {cid!r}")
 
     plen, glen = len(prep.prompt) // 4, len(prep.generation) // 4
-    parent = yield from prove_parent(rid, prep.hasher, plen)
+    parent = yield from parent_for(prep, rid, plen)
     stored_prompt, is_delta = prep.prompt, False
     if parent is not None and delta_records:
         stored_prompt, is_delta = prep.prompt[parent.cumulative_len * 4 :], True
@@ -263,8 +265,56 @@ def put_steps(
             (rid, pk, parent.pk, parent.method, "verified", parent.cumulative_len, None, None, now),
         )
     yield from diagnose_drift(rid, pk, prep.prompt, parent, request_fingerprint, now)
+    yield from record_parent_mismatch(rid, pk, prep, parent, now)
     rows = yield ("bump", (now, rid))
     return Outcome("created", int(rows[0][0]), pk, parent, is_delta)
+
+
+def parent_for(prep: Prepared, rollout_id: str, prompt_len: int) -> Steps:
+    """The link parent of a new record: the writer's recorded decision (NeMo Gym 0.7.0, see
+    ``ledger.lineage_ingest``) proven by tokens when it recorded one, else the ledger's own
+    token-prefix proof."""
+    decision = recorded_decision(prep.entry)
+    if decision is None:
+        return (yield from prove_parent(rollout_id, prep.hasher, prompt_len))
+    if decision.status != "resolved" or decision.parent_call_id is None:
+        return None  # a recorded root stays a root; unresolved is never linked
+    rows = yield ("recorded_parent", (rollout_id, decision.parent_call_id))
+    if not rows:
+        # Never received: recover an unambiguous token-prefix parent, as NeMo Gym does.
+        found = yield from prove_parent(rollout_id, prep.hasher, prompt_len)
+        return found if found is not None and found.method == "token_prefix" else None
+    pk, cid, n, digest = int(rows[0][0]), str(rows[0][1]), int(rows[0][2]), rows[0][3]
+    if n <= prompt_len:
+        prep.hasher.prime([n])
+        if prep.hasher.digest_at(n) == digest:
+            return Parent(pk, cid, n, RECORDED_PARENT_METHOD)
+    return None
+
+
+def record_parent_mismatch(
+    rollout_id: str, child_pk: int, prep: Prepared, parent: Parent | None, now: Any
+) -> Steps:
+    """Store a drifted edge when the writer's recorded parent is not a prefix of the prompt."""
+    decision = recorded_decision(prep.entry)
+    if decision is None or decision.parent_call_id is None or parent is not None:
+        return None
+    rows = yield ("recorded_parent", (rollout_id, decision.parent_call_id))
+    if not rows:
+        return None
+    parent_pk, parent_cid = int(rows[0][0]), str(rows[0][1])
+    chain = yield ("ancestry_to_anchor", (rollout_id, parent_cid, rollout_id))
+    try:
+        cumulative = _rebuild(parent_cid, chain)
+    except InvalidRecord:  # the parent's own chain is broken: nothing is shared provably
+        cumulative = b""
+    pos = first_mismatch(prep.prompt, cumulative)
+    kind = "prompt_shorter" if pos * 4 == len(prep.prompt) else "token_mismatch"
+    yield (
+        "edge_insert",
+        (rollout_id, child_pk, parent_pk, RECORDED_PARENT_METHOD, "drifted", pos, pos, kind, now),
+    )
+    return None
 
 
 def prove_parent(rollout_id: str, hasher: PrefixHasher, prompt_len: int) -> Steps:

@@ -115,6 +115,12 @@ _ALL = [
            ORDER BY model_call_id""",
     ),
     _stmt(
+        "recorded_parent",
+        "The captured call a writer's recorded parent decision names (NeMo Gym 0.7.0 lineage).",
+        """SELECT id, model_call_id, cumulative_len, cumulative_digest FROM calls
+           WHERE rollout_id = ? AND model_call_id = ? AND status = 'captured'""",
+    ),
+    _stmt(
         "generation_of",
         "A call's generated ids (the parent's sampled tokens, checked byte for byte).",
         "SELECT generation_ids FROM call_tokens WHERE call_id = ?",
