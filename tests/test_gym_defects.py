@@ -22,8 +22,9 @@ from ledger.collect import collect
 from ledger.delivery import finalize_rollout_token_capture
 from ledger.errors import InvalidRecord, InvalidRolloutId, LedgerError
 from ledger.gym import CaptureSink, CaptureSource
+from ledger.gym_lineage import gym_view
 from ledger.ids import rollout_id_from_run_body
-from ledger.lineage_ingest import gym_token_digest
+from ledger.records import gym_token_digest
 from ledger.store import Ledger
 from tests.support.gym_release import release_dir
 from tests.test_remote import Service, _serve
@@ -482,7 +483,10 @@ async def test_5h_delta_records_are_rebuilt_at_ingest(ledger: Ledger, rid: Rid) 
     snap = await ledger.freeze(r)
     by_id = {e.model_call_id: e for e in snap.entries}
     assert by_id["c2"].prompt_token_ids == full[2]["prompt_token_ids"]
-    assert by_id["c2"].extra_fields()["prompt_is_delta"] is False
+    # The Gym-facing view hands the writer's delta record back exactly as it was put.
+    as_put = {e.model_call_id: e for e in gym_view(snap.entries)}
+    assert as_put["c2"].prompt_is_delta
+    assert as_put["c2"].prompt_token_ids == deltas[2]["prompt_token_ids"]
 
 
 async def test_5h_a_delta_record_that_cannot_be_rebuilt_is_refused(
@@ -491,7 +495,7 @@ async def test_5h_a_delta_record_that_cannot_be_rebuilt_is_refused(
     r = rid("deltabad")
     deltas = loop(r, 3, delta=True)
     await ledger.put(deltas[0])
-    with pytest.raises(InvalidRecord, match="delta prompt"):
+    with pytest.raises(InvalidRecord, match="delta record .* cannot be reconstructed"):
         await ledger.put(deltas[2])  # its parent c1 never arrived
     await ledger.put(deltas[1])
     wrong = dict(deltas[2], digest=gym_token_digest([5, 6, 7]))

@@ -80,7 +80,7 @@ async def test_a_gym_delta_record_is_proven_on_its_full_prompt_and_frozen_as_put
         views = await led.freeze_views(r)
         assert [(v.model_call_id, v.parent_call_id, v.edge_method) for v in views.calls] == [
             ("c1", None, None),
-            ("c2", "c1", "token_prefix"),
+            ("c2", "c1", "recorded_parent"),  # the writer's decision, proven by tokens
         ]
         full = await led.freeze(r)
         assert [e.prompt_token_ids for e in full.entries] == [[1, 2, 3], [1, 2, 3, 4, 5, 6, 7]]
