@@ -19,7 +19,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
 
@@ -29,6 +29,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
 from api import dialects as d
+from api import prefix
 from api.extract import (
     MalformedTokenPayload,
     StrippedResponse,
@@ -98,6 +99,8 @@ class CallContext:
     request_fingerprint: str
     request_items: list[dict[str, Any]]
     metrics: Metrics
+    # Extra record fields (prefix supply's flags and context digest).
+    record_extra: dict[str, Any] = field(default_factory=dict)
 
 
 def _declared(settings: Settings) -> frozenset[tuple[str, str]]:
@@ -241,6 +244,20 @@ async def _capture(
         request_items=items,
         metrics=metrics,
     )
+    plan: prefix.PrefixPlan | None = None
+    if settings.supply_prefix_token_ids:
+        upstream, plan = await prefix.prepare(
+            ledger=ledger,
+            client=request.app.state.upstream,
+            headers=_auth_headers(request),
+            rollout_id=rollout_id,
+            fingerprint=ctx.request_fingerprint,
+            upstream=upstream,
+            backend=settings.prefix_supply_backend,
+            metrics=metrics,
+        )
+        payload = _json_bytes(upstream.body)
+        ctx.record_extra.update(prefix.record_fields(upstream, plan))
     try:
         await ledger.begin_call(
             rollout_id, ctx.model_call_id, route=ctx.route, model=str(body.get("model") or "")
@@ -252,6 +269,10 @@ async def _capture(
     answer = await _call_upstream(request, ctx, upstream, payload, metrics)
     if isinstance(answer, Response):
         return answer
+    if plan is not None and plan.requested:
+        unproven = await _prove_prefix(ledger, ctx, plan, answer, upstream)
+        if unproven is not None:
+            return unproven
     stripped = await _record(request, ctx, upstream, answer, ledger, metrics)
     try:
         response = _answer(dialect, upstream, stripped.harness_body, body)
@@ -363,6 +384,27 @@ async def _call_upstream(
         await _settle(ledger, ctx, "malformed_token_payload", f"upstream answer is not JSON: {exc}")
         return _unreadable_answer(ctx.dialect, upstream, "not a JSON object")
     return answer
+
+
+async def _prove_prefix(
+    ledger: Ledger,
+    ctx: CallContext,
+    plan: prefix.PrefixPlan,
+    answer: dict[str, Any],
+    upstream: d.UpstreamRequest,
+) -> Response | None:
+    """Fail the model call unless the engine proved it generated over the required prefix
+    (design §4.9): the answer is not recorded and the rollout is marked incomplete."""
+    problem = prefix.check_answer(plan, answer)
+    if problem is None:
+        ctx.record_extra["prefix_supplied"] = True
+        ctx.metrics.prefix_supplied.inc()
+        return None
+    ctx.metrics.upstream_errors.labels("prefix_unproven").inc()
+    await _settle(ledger, ctx, "prefix_supply_unproven", problem)
+    error = d.UpstreamError(status=502, message=f"prefix supply failed: {problem}")
+    reply = d.upstream_error_reply(ctx.dialect, error)
+    return _error_response(reply, stream=upstream.stream, dialect=ctx.dialect)
 
 
 def _unreadable_answer(dialect: d.Dialect, upstream: d.UpstreamRequest, detail: str) -> Response:
@@ -532,6 +574,7 @@ def _entry(
     }
     if payload.prompt_source == "tokenize":
         entry["prompt_source"] = "tokenize"
+    entry.update(ctx.record_extra)
     return entry
 
 

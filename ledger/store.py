@@ -53,6 +53,7 @@ from ledger.tables import (
 
 __all__ = [
     "Audit",
+    "ContinuationCandidate",
     "FrozenSnapshot",
     "Ledger",
     "LineageResolution",
@@ -109,6 +110,17 @@ class LineageResolution:
     cumulative_token_ids: list[int] | None = None
     digest: str | None = None
     reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ContinuationCandidate:
+    """A captured call a request continues by conversation (see ``continuation_candidates``)."""
+
+    model_call_id: str
+    cumulative_len: int
+    cumulative_digest: str
+    generation_len: int
+    extra: dict[str, Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -731,6 +743,53 @@ class Ledger:
         async with self._read() as aconn:
             return await aconn.run_sync(lookup)
 
+    async def continuation_candidates(
+        self, rollout_id: str, fingerprint: str
+    ) -> list[ContinuationCandidate]:
+        """Captured calls of the rollout whose continuation fingerprint is ``fingerprint`` (the
+        request-time, conversation-level lineage lookup of prefix supply), by call id."""
+        validate_rollout_id(rollout_id)
+        if not fingerprint:
+            return []
+        query = (
+            sa.select(
+                C.c.model_call_id,
+                C.c.cumulative_len,
+                C.c.cumulative_digest,
+                C.c.generation_len,
+                C.c.extra,
+            )
+            .where(
+                C.c.rollout_id == rollout_id,
+                C.c.status == "captured",
+                C.c.continuation_fingerprint == fingerprint,
+            )
+            .order_by(C.c.model_call_id)
+        )
+        async with self._read() as conn:
+            rows = (await conn.execute(query)).all()
+        return [
+            ContinuationCandidate(
+                r.model_call_id,
+                r.cumulative_len,
+                r.cumulative_digest,
+                r.generation_len,
+                dict(r.extra or {}),
+            )
+            for r in rows
+        ]
+
+    async def cumulative_token_ids(self, rollout_id: str, model_call_id: str) -> list[int]:
+        """A captured call's full prompt + generation, rebuilt and checked against its digest."""
+        validate_rollout_id(rollout_id)
+        validate_call_id(model_call_id)
+
+        def read(conn: Connection) -> list[int]:
+            return codec.unpack_ids(self._cumulative_bytes(conn, rollout_id, model_call_id))
+
+        async with self._read() as aconn:
+            return await aconn.run_sync(read)
+
     # ----------------------------------------------------------------- incomplete / freeze
 
     async def mark_incomplete(
@@ -1252,6 +1311,8 @@ def _views(calls: Sequence[Any], edges: Sequence[Any]) -> list[CallView]:
                 request_fingerprint=c.request_fingerprint or "",
                 continuation_fingerprint=c.continuation_fingerprint or "",
                 model=c.model or "",
+                prefix_requested=(c.extra or {}).get("prefix_requested"),
+                prefix_supplied=(c.extra or {}).get("prefix_supplied"),
             )
         )
     return views
