@@ -88,3 +88,13 @@ class Metrics:
             "Upstream attempts the proxy retried (connection refused).",
             registry=r,
         )
+        self.failed_attempts = Counter(
+            "rollout_ledger_upstream_failed_attempts_total",
+            "Upstream attempts that failed before any output (kept open for a retry).",
+            registry=r,
+        )
+        self.retried_attempts = Counter(
+            "rollout_ledger_upstream_retried_attempts_total",
+            "Failed attempts cancelled because a retry of the same request succeeded.",
+            registry=r,
+        )
