@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import queue
 import re
 import threading
@@ -531,6 +532,11 @@ class Ledger:
         rid = e.rollout_id
         plen, glen = len(e.prompt_token_ids), len(e.generation_token_ids)
         parent = self._prove_parent(conn, rid, prep.prompt, plen)
+        if parent is not None and parent.method == "token_prefix" and prep.extra.get(
+            "prefix_supplied"
+        ):
+            # Proven by tokens like any edge; the label says the prefix was supplied.
+            parent = dataclasses.replace(parent, method="supplied_prefix")
         stored_prompt, is_delta = prep.prompt, False
         if parent is not None and self.delta_records:
             stored_prompt, is_delta = prep.prompt[parent.cumulative_len * 4 :], True

@@ -151,6 +151,10 @@ def test_drifting_tool_loop_is_delivered_with_supplied_prefixes(stack: Stack, ri
 
     calls = calls_of(stack, r)
     assert [c["parent_call_id"] for c in calls[1:]] == [c["model_call_id"] for c in calls[:-1]]
+    detail = stack.detail(r)
+    assert detail is not None
+    edges = [(e["method"], e["status"]) for e in detail["edges"]]
+    assert edges == [("supplied_prefix", "verified")] * 2
     result, build = finalize(stack, r, final.id)
     assert build["outcome"] == "delivered", build["mask_reasons"]
     assert delivered(result) == sampled_chain(stack, [0, 1, 2])

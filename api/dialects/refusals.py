@@ -85,7 +85,9 @@ def _chat(body: Mapping[str, Any]) -> None:
             param="web_search_options",
         )
     modalities = body.get("modalities")
-    if _set(body.get("audio")) or (isinstance(modalities, list) and set(modalities) - {"text"}):
+    if _set(body.get("audio")) or (
+        isinstance(modalities, list) and any(m != "text" for m in modalities)
+    ):
         raise UnsupportedRequest(
             "audio output (`audio`, `modalities`) is not supported on a training-capture "
             "route: only text generations are captured",
