@@ -5,7 +5,10 @@ before dispatch (if it cannot be, the call fails with 503 and nothing goes upstr
 upstream is asked for token ids, the record is committed before the harness gets its answer,
 and the answer goes back in the harness's dialect (JSON, or SSE replayed from the complete
 response).  Capture never fails the call: a response without ids, a malformed payload or a
-failed write marks the rollout incomplete with its reason.
+failed write marks the rollout incomplete with its reason.  The one exception is prefix
+supply (``api.prefix``): a call whose required prefix the engine did not prove fails.  An
+upstream attempt that put nothing in front of the harness stays open for a retry of the same
+request to cancel it (issue 11); a refused connection is retried once here.
 
 ``/ng-rollout/<id>/<rest>`` is evaluation correlation and any other path is plain
 pass-through: forwarded as is (streamed both ways), nothing recorded.
