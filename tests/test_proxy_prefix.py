@@ -391,3 +391,33 @@ def test_incompatible_configuration_is_refused_at_startup(
 def test_unknown_backend_is_refused() -> None:
     with pytest.raises(ConfigError):
         load_settings(supply_prefix_token_ids=True, prefix_supply_backend="render")
+
+
+def test_responses_tool_loop_with_rewritten_arguments_is_delivered(stack: Stack, rid: Rid) -> None:
+    """Codex / the Agents SDK: function_call items echoed back with arguments re-serialised."""
+    r = rid("codex")
+    client = oai(stack, r)
+    tool = {"type": "function", "name": "get_weather", "parameters": TOOL["function"]["parameters"]}  # type: ignore[index]
+    items: list[dict[str, Any]] = [{"role": "user", "content": "Weather in Paris?"}]
+    stack.engine.script_tool_call("get_weather", {"city": "Paris", "days": 2})
+    first = client.responses.create(
+        model="smol", input=items, tools=[tool], instructions="Be brief."
+    )  # type: ignore[arg-type, list-item]
+    call = next(o for o in first.output if o.type == "function_call")
+    items += [
+        {
+            "type": "function_call",
+            "call_id": call.call_id,  # type: ignore[union-attr]
+            "name": call.name,  # type: ignore[union-attr]
+            "arguments": '{"days":2,"city":"Paris"}',
+        },
+        {"type": "function_call_output", "call_id": call.call_id, "output": "18C"},  # type: ignore[union-attr]
+    ]
+    stack.engine.script("It is 18C.")
+    second = client.responses.create(
+        model="smol", input=items, tools=[tool], instructions="Be brief."
+    )  # type: ignore[arg-type, list-item]
+    assert supplied_ids(chat_bodies(stack)[1]) == expected_prompt(stack, 1, 0, NL)
+    result, build = finalize(stack, r, second.id)
+    assert build["outcome"] == "delivered", build["mask_reasons"]
+    assert delivered(result) == sampled_chain(stack, [0, 1])
