@@ -532,8 +532,10 @@ class Ledger:
         rid = e.rollout_id
         plen, glen = len(e.prompt_token_ids), len(e.generation_token_ids)
         parent = self._prove_parent(conn, rid, prep.prompt, plen)
-        if parent is not None and parent.method == "token_prefix" and prep.extra.get(
-            "prefix_supplied"
+        if (
+            parent is not None
+            and parent.method == "token_prefix"
+            and prep.extra.get("prefix_supplied")
         ):
             # Proven by tokens like any edge; the label says the prefix was supplied.
             parent = dataclasses.replace(parent, method="supplied_prefix")
