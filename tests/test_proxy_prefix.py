@@ -421,3 +421,25 @@ def test_responses_tool_loop_with_rewritten_arguments_is_delivered(stack: Stack,
     result, build = finalize(stack, r, second.id)
     assert build["outcome"] == "delivered", build["mask_reasons"]
     assert delivered(result) == sampled_chain(stack, [0, 1])
+
+
+def test_streaming_harness_gets_the_supplied_continuation(stack: Stack, rid: Rid) -> None:
+    r = rid("stream")
+    client = oai(stack, r)
+    messages: list[dict[str, Any]] = [{"role": "user", "content": "Weather in Riga?"}]
+    weather_turn(stack, client, messages, "Riga")
+    stack.engine.script("Windy.")
+    chunks = list(
+        client.chat.completions.create(
+            model="smol",
+            messages=messages,  # type: ignore[arg-type]
+            tools=[TOOL],  # type: ignore[list-item]
+            stream=True,
+        )
+    )
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == stack.sampled[1]["choices"][0]["message"]["content"]  # the engine's answer
+    assert supplied_ids(chat_bodies(stack)[1]) == expected_prompt(stack, 1, 0, NL)
+    result, build = finalize(stack, r, chunks[0].id)
+    assert build["outcome"] == "delivered", build["mask_reasons"]
+    assert delivered(result) == sampled_chain(stack, [0, 1])
