@@ -12,13 +12,16 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import anthropic
 import httpx
 import openai
 import pytest
+from typer.testing import CliRunner
 
+from api.cli import app as cli_app
 from api.prefix import PrefixPlan, _missing_closing
 from ledger.config import ConfigError, load_settings
 from ledger.sim import ByteTokenizer, SimEngine
@@ -443,3 +446,12 @@ def test_streaming_harness_gets_the_supplied_continuation(stack: Stack, rid: Rid
     result, build = finalize(stack, r, chunks[0].id)
     assert build["outcome"] == "delivered", build["mask_reasons"]
     assert delivered(result) == sampled_chain(stack, [0, 1])
+
+
+def test_serve_refuses_an_incompatible_prefix_config_at_startup(tmp_path: Path) -> None:
+    config = tmp_path / "capture.yaml"
+    config.write_text("supply_prefix_token_ids: true\ntoken_id_capture: {enabled: false}\n")
+    db = f"sqlite+aiosqlite:///{tmp_path / 'ledger.db'}"
+    result = CliRunner().invoke(cli_app, ["serve", "--config", str(config), "--db", db])
+    assert result.exit_code == 2
+    assert "supply_prefix_token_ids: true is refused" in result.output
