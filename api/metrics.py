@@ -80,3 +80,42 @@ class Metrics:
             ["dialect", "outcome"],
             registry=r,
         )
+        # Prefix supply (issue 11), the seed's counters: every captured call while it is on
+        # (total), those with a proven parent (eligible), those whose proof held (supplied);
+        # calls sent unchanged are counted by why.
+        self.prefix_total = Counter(
+            "rollout_ledger_prefix_supply_calls_total",
+            "Captured calls while prefix supply is on.",
+            registry=r,
+        )
+        self.prefix_eligible = Counter(
+            "rollout_ledger_prefix_supply_eligible_total",
+            "Calls whose parent was resolved and verified (a prefix was required).",
+            registry=r,
+        )
+        self.prefix_supplied = Counter(
+            "rollout_ledger_prefix_supply_supplied_total",
+            "Calls whose generation-time prompt ids proved the required prefix.",
+            registry=r,
+        )
+        self.prefix_skipped = Counter(
+            "rollout_ledger_prefix_supply_unchanged_total",
+            "Calls sent unchanged, by reason (root, unresolved, ...).",
+            ["reason"],
+            registry=r,
+        )
+        self.upstream_retries = Counter(
+            "rollout_ledger_upstream_retries_total",
+            "Upstream attempts the proxy retried (connection refused).",
+            registry=r,
+        )
+        self.failed_attempts = Counter(
+            "rollout_ledger_upstream_failed_attempts_total",
+            "Upstream attempts that failed before any output (kept open for a retry).",
+            registry=r,
+        )
+        self.retried_attempts = Counter(
+            "rollout_ledger_upstream_retried_attempts_total",
+            "Failed attempts cancelled because a retry of the same request succeeded.",
+            registry=r,
+        )

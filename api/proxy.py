@@ -5,7 +5,10 @@ before dispatch (if it cannot be, the call fails with 503 and nothing goes upstr
 upstream is asked for token ids, the record is committed before the harness gets its answer,
 and the answer goes back in the harness's dialect (JSON, or SSE replayed from the complete
 response).  Capture never fails the call: a response without ids, a malformed payload or a
-failed write marks the rollout incomplete with its reason.
+failed write marks the rollout incomplete with its reason.  The one exception is prefix
+supply (``api.prefix``): a call whose required prefix the engine did not prove fails.  An
+upstream attempt that put nothing in front of the harness stays open for a retry of the same
+request to cancel it (issue 11); a refused connection is retried once here.
 
 ``/ng-rollout/<id>/<rest>`` is evaluation correlation and any other path is plain
 pass-through: forwarded as is (streamed both ways), nothing recorded.
@@ -13,13 +16,14 @@ pass-through: forwarded as is (streamed both ways), nothing recorded.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import re
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import quote
 
@@ -29,6 +33,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
 
 from api import dialects as d
+from api import prefix
 from api.capability import check_proxy_credential, upstream_credentials
 from api.extract import (
     MalformedTokenPayload,
@@ -101,6 +106,10 @@ class CallContext:
     request_fingerprint: str
     request_items: list[dict[str, Any]]
     metrics: Metrics
+    # Extra record fields (prefix supply's flags and context digest).
+    record_extra: dict[str, Any] = field(default_factory=dict)
+    # Digest of the harness's request bytes: an SDK retry sends the same bytes (issue 11).
+    retry_key: str = ""
 
 
 def _declared(settings: Settings) -> frozenset[tuple[str, str]]:
@@ -231,8 +240,9 @@ async def _capture(
         return await _non_generating(request, rollout_id, method, rest, declared)
     ledger: Ledger = request.app.state.ledger
     metrics: Metrics = request.app.state.metrics
+    raw = await request.body()
     try:
-        body = await parse_json_body(await request.body())
+        body = await parse_json_body(raw)
         if not isinstance(body, dict):
             raise d.InvalidRequest("the request body must be a JSON object")
         upstream = _build_upstream(dialect, body, settings)
@@ -250,7 +260,22 @@ async def _capture(
         request_fingerprint=_fingerprint(items),
         request_items=items,
         metrics=metrics,
+        retry_key=hashlib.sha256(f"{rest}\n".encode() + raw).hexdigest(),
     )
+    plan: prefix.PrefixPlan | None = None
+    if settings.supply_prefix_token_ids:
+        upstream, plan = await prefix.prepare(
+            ledger=ledger,
+            client=request.app.state.upstream,
+            headers=_auth_headers(request),
+            rollout_id=rollout_id,
+            fingerprint=ctx.request_fingerprint,
+            upstream=upstream,
+            backend=settings.prefix_supply_backend,
+            metrics=metrics,
+        )
+        payload = _json_bytes(upstream.body)
+        ctx.record_extra.update(prefix.record_fields(upstream, plan))
     try:
         await ledger.begin_call(
             rollout_id, ctx.model_call_id, route=ctx.route, model=str(body.get("model") or "")
@@ -262,7 +287,12 @@ async def _capture(
     answer = await _call_upstream(request, ctx, upstream, payload, metrics)
     if isinstance(answer, Response):
         return answer
+    if plan is not None and plan.requested:
+        unproven = await _prove_prefix(ledger, ctx, plan, answer, upstream)
+        if unproven is not None:
+            return unproven
     stripped = await _record(request, ctx, upstream, answer, ledger, metrics)
+    await _settle_retried(ledger, ctx)
     try:
         response = _answer(dialect, upstream, stripped.harness_body, body)
     except Exception as exc:  # a 200 without a usable choice: an upstream error, not ours
@@ -341,13 +371,13 @@ async def _call_upstream(
     ledger: Ledger = request.app.state.ledger
     started = time.perf_counter()
     try:
-        resp = await client.post(upstream.path, content=payload, headers=_json_headers(request))
+        resp = await _post_upstream(client, upstream.path, payload, _json_headers(request), metrics)
         raw = resp.content
     except (httpx.HTTPError, ConnectionError) as exc:
         timeout = isinstance(exc, httpx.TimeoutException)
         kind = "timeout" if timeout else "transport"
         metrics.upstream_errors.labels(kind).inc()
-        await _settle(ledger, ctx, "upstream_error", f"{kind}: {exc}")
+        await _failed_attempt(ledger, ctx, f"{kind}: {exc}")
         reply = d.transport_error_reply(ctx.dialect, timeout=timeout, detail=str(exc) or kind)
         return _error_response(reply, stream=upstream.stream, dialect=ctx.dialect)
     finally:
@@ -359,9 +389,7 @@ async def _call_upstream(
             # The engine refused the request: nothing was generated, so the intent is closed.
             await _cancel(ledger, ctx)
         else:
-            await _settle(
-                ledger, ctx, "upstream_error", f"HTTP {resp.status_code}: {error.message}"
-            )
+            await _failed_attempt(ledger, ctx, f"HTTP {resp.status_code}: {error.message}")
         reply = d.upstream_error_reply(ctx.dialect, error)
         return _error_response(reply, stream=upstream.stream, dialect=ctx.dialect)
     try:
@@ -373,6 +401,86 @@ async def _call_upstream(
         await _settle(ledger, ctx, "malformed_token_payload", f"upstream answer is not JSON: {exc}")
         return _unreadable_answer(ctx.dialect, upstream, "not a JSON object")
     return answer
+
+
+async def _post_upstream(
+    client: httpx.AsyncClient,
+    path: str,
+    payload: bytes,
+    headers: dict[str, str],
+    metrics: Metrics,
+) -> httpx.Response:
+    """POST a generating request; a refused connection (nothing was sent, so nothing can have
+    been generated) is retried once, at once."""
+    try:
+        return await client.post(path, content=payload, headers=headers)
+    except httpx.ConnectError:
+        metrics.upstream_retries.inc()
+        return await client.post(path, content=payload, headers=headers)
+
+
+async def _failed_attempt(ledger: Ledger, ctx: CallContext, detail: str) -> None:
+    """An upstream attempt that put nothing in front of the harness (a transport failure or a
+    5xx; the proxy never streams a partial answer): its intent stays open with a note.  A
+    successful retry of the same request cancels it; otherwise freeze counts it as a lost
+    call (``upstream_error``).  If the note cannot be written the rollout is marked now."""
+    try:
+        noted = await ledger.note_failed_attempt(
+            ctx.rollout_id,
+            ctx.model_call_id,
+            reason="upstream_error",
+            detail=detail,
+            retry_key=ctx.retry_key,
+        )
+    except RolloutFrozen:
+        return
+    except Exception as exc:  # LedgerError or unexpected: fall back to the immediate mark
+        log.error("could not note failed attempt rollout=%s: %s", ctx.rollout_id, exc)
+        noted = False
+    if noted:
+        ctx.metrics.failed_attempts.inc()
+        log.warning(
+            "rollout=%s call=%s upstream attempt failed without output (%s); a successful "
+            "retry cancels it",
+            ctx.rollout_id,
+            ctx.model_call_id,
+            detail[:300],
+        )
+    else:
+        await _settle(ledger, ctx, "upstream_error", detail)
+
+
+async def _settle_retried(ledger: Ledger, ctx: CallContext) -> None:
+    """This call succeeded: earlier failed attempts of the same request are cancelled."""
+    try:
+        settled = await ledger.settle_failed_attempts(ctx.rollout_id, ctx.retry_key)
+    except LedgerError as exc:  # they stay open and mask at freeze: safe
+        log.warning("could not settle retried attempts rollout=%s: %s", ctx.rollout_id, exc)
+        return
+    if settled:
+        ctx.metrics.retried_attempts.inc(len(settled))
+        log.info("rollout=%s retried attempts cancelled: %s", ctx.rollout_id, settled)
+
+
+async def _prove_prefix(
+    ledger: Ledger,
+    ctx: CallContext,
+    plan: prefix.PrefixPlan,
+    answer: dict[str, Any],
+    upstream: d.UpstreamRequest,
+) -> Response | None:
+    """Fail the model call unless the engine proved it generated over the required prefix
+    (design §4.9): the answer is not recorded and the rollout is marked incomplete."""
+    problem = prefix.check_answer(plan, answer)
+    if problem is None:
+        ctx.record_extra["prefix_supplied"] = True
+        ctx.metrics.prefix_supplied.inc()
+        return None
+    ctx.metrics.upstream_errors.labels("prefix_unproven").inc()
+    await _settle(ledger, ctx, "prefix_supply_unproven", problem)
+    error = d.UpstreamError(status=502, message=f"prefix supply failed: {problem}")
+    reply = d.upstream_error_reply(ctx.dialect, error)
+    return _error_response(reply, stream=upstream.stream, dialect=ctx.dialect)
 
 
 def _unreadable_answer(dialect: d.Dialect, upstream: d.UpstreamRequest, detail: str) -> Response:
@@ -542,6 +650,7 @@ def _entry(
     }
     if payload.prompt_source == "tokenize":
         entry["prompt_source"] = "tokenize"
+    entry.update(ctx.record_extra)
     return entry
 
 

@@ -157,6 +157,7 @@ def plan_build(
         reasons = ["capture_incomplete"] * incomplete + ["no_records"]
         return counts.plan([], None, [], TerminalAttribution(), reasons)
     counts.captured = sum(call.generation_len for call in by_id.values())
+    counts.prefix = _prefix_counts(by_id.values())
     counts.empty = sum(1 for call in by_id.values() if call.generation_len == 0)
 
     terminal = attribute_terminal(list(by_id.values()), result)
@@ -236,6 +237,7 @@ class _Counts:
     empty: int = 0
     unresolved: dict[str, str] = field(default_factory=dict)
     unresolved_retries: list[str] = field(default_factory=list)
+    prefix: dict[str, int] | None = None
 
     def plan(
         self,
@@ -268,6 +270,8 @@ class _Counts:
             "mask_reasons": list(ordered),
             "parent_link_failures": failures,
         }
+        if self.prefix is not None:
+            metrics.update(self.prefix)
         return BuildPlan(
             chains,
             delivered,
@@ -278,6 +282,19 @@ class _Counts:
             unresolved_retries=list(self.unresolved_retries),
             unresolved_parent_calls=sorted(self.unresolved),
         )
+
+
+def _prefix_counts(calls: Iterable[CallView]) -> dict[str, int] | None:
+    """The seed's prefix-supply counters over the calls recorded with prefix supply on (None
+    when there are none): total, eligible (a prefix was required) and supplied (proven)."""
+    on = [c for c in calls if c.prefix_requested is not None]
+    if not on:
+        return None
+    return {
+        "prefix_supply_total": len(on),
+        "prefix_supply_eligible": sum(1 for c in on if c.prefix_requested),
+        "prefix_supply_supplied": sum(1 for c in on if c.prefix_supplied),
+    }
 
 
 # ---------------------------------------------------------------------------------- lineage

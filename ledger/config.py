@@ -10,10 +10,10 @@ from __future__ import annotations
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ledger.engine import DEFAULT_DB_URL
 
@@ -117,9 +117,22 @@ class Settings(BaseModel):
     max_record_tokens: int | None = Field(default=None, gt=0)
     server: ServerConfig = Field(default_factory=ServerConfig)
     auth: AuthConfig = Field(default_factory=AuthConfig)
+    # Prefix supply (issue 11): give a continuation whose parent is proven the parent's exact
+    # cumulative tokens as its prompt prefix; see api/prefix.py and docs/integration.md.
+    supply_prefix_token_ids: bool = False
+    prefix_supply_backend: Literal["kv_transfer_params", "required_prefix_token_ids"] = (
+        "kv_transfer_params"
+    )
     tokens: dict[str, frozenset[str]] = Field(default_factory=dict, exclude=True)
     capture_secret: str | None = Field(default=None, exclude=True)
     upstream_api_key: str | None = Field(default=None, exclude=True)
+
+    @model_validator(mode="after")
+    def _prefix_supply(self) -> Settings:
+        problems = prefix_supply_problems(self)
+        if problems:
+            raise ValueError("supply_prefix_token_ids: true is refused: " + "; ".join(problems))
+        return self
 
     @field_validator("upstream")
     @classmethod
@@ -133,6 +146,28 @@ class Settings(BaseModel):
         if not v.startswith(("http://", "https://")):
             raise ValueError(f"upstream must be an http(s) URL; got {v!r}")
         return v
+
+
+# Upstream request fields prefix supply sets or that make the engine ignore supplied ids.
+_PREFIX_CONFLICTS = ("kv_transfer_params", "required_prefix_token_ids", "echo")
+
+
+def prefix_supply_problems(settings: Settings) -> list[str]:
+    """Why this configuration cannot serve prefix supply (empty when it can or it is off)."""
+    if not settings.supply_prefix_token_ids:
+        return []
+    problems = []
+    if not settings.token_id_capture.enabled:
+        problems.append(
+            "it needs token-id information (token_id_capture.enabled: true): the proof is the "
+            "engine's generation-time prompt ids"
+        )
+    pinned = sorted(k for k in settings.sampling_overrides or {} if k in _PREFIX_CONFLICTS)
+    if pinned:
+        problems.append(
+            f"sampling_overrides pins {pinned}, which would replace or disable the supplied prefix"
+        )
+    return problems
 
 
 def parse_tokens(raw: str) -> dict[str, frozenset[str]]:

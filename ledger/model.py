@@ -36,6 +36,9 @@ class CallView:
     request_fingerprint: str = ""
     continuation_fingerprint: str = ""
     model: str = ""
+    # Prefix supply flags of the record (None: recorded with prefix supply off).
+    prefix_requested: bool | None = None
+    prefix_supplied: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)

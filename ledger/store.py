@@ -56,6 +56,7 @@ from ledger.tables import (
 
 __all__ = [
     "Audit",
+    "ContinuationCandidate",
     "FrozenSnapshot",
     "Ledger",
     "LineageResolution",
@@ -112,6 +113,17 @@ class LineageResolution:
     cumulative_token_ids: list[int] | None = None
     digest: str | None = None
     reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ContinuationCandidate:
+    """A captured call a request continues by conversation (see ``continuation_candidates``)."""
+
+    model_call_id: str
+    cumulative_len: int
+    cumulative_digest: str
+    generation_len: int
+    extra: dict[str, Any]
 
 
 @dataclass(frozen=True, slots=True)
@@ -444,6 +456,67 @@ class Ledger:
 
         return await self._transact(body)
 
+    async def note_failed_attempt(
+        self, rollout_id: str, model_call_id: str, *, reason: str, detail: str, retry_key: str
+    ) -> bool:
+        """Keep an intent whose upstream attempt produced no output open, for a retry to settle.
+
+        A successful retry with the same ``retry_key`` cancels it
+        (:meth:`settle_failed_attempts`); at freeze an unsettled one is a lost call: the rollout
+        is incomplete with ``reason``.  True if an open intent was noted."""
+        validate_rollout_id(rollout_id)
+        validate_call_id(model_call_id)
+        _validate_reason(reason)
+        note = {"failed_attempt": {"reason": reason, "detail": detail, "retry_key": retry_key}}
+
+        def body(conn: Connection) -> bool:
+            state = self._lock_rollout(conn, rollout_id)
+            self._refuse_if_closed(state, "note_failed_attempt")
+            res = conn.execute(
+                C.update()
+                .where(
+                    C.c.rollout_id == rollout_id,
+                    C.c.model_call_id == model_call_id,
+                    C.c.status == "intent",
+                )
+                .values(extra=note)
+            )
+            return bool(res.rowcount)
+
+        return await self._transact(body)
+
+    async def settle_failed_attempts(self, rollout_id: str, retry_key: str) -> list[str]:
+        """Cancel the open failed attempts a successful retry with ``retry_key`` replaced (they
+        produced nothing the harness saw); returns their call ids."""
+        validate_rollout_id(rollout_id)
+        noted = sa.select(C.c.id).where(
+            C.c.rollout_id == rollout_id, C.c.status == "intent", C.c.extra.is_not(None)
+        )
+        # A plain read first: the common case (nothing failed) costs no write transaction.
+        async with self._read() as conn:
+            if (await conn.execute(noted.limit(1))).first() is None:
+                return []
+
+        def body(conn: Connection) -> list[str]:
+            state = self._lock_rollout(conn, rollout_id)
+            if state.state != "open":
+                return []
+            rows = conn.execute(
+                sa.select(C.c.id, C.c.model_call_id, C.c.extra).where(
+                    C.c.rollout_id == rollout_id, C.c.status == "intent", C.c.extra.is_not(None)
+                )
+            ).all()
+            settled = [r for r in rows if _failed_attempt(r.extra).get("retry_key") == retry_key]
+            if settled:
+                conn.execute(
+                    C.update()
+                    .where(C.c.id.in_([r.id for r in settled]), C.c.status == "intent")
+                    .values(status="cancelled")
+                )
+            return [r.model_call_id for r in settled]
+
+        return await self._transact(body)
+
     async def put(
         self,
         entry: TokenEntry | dict[str, Any],
@@ -650,6 +723,53 @@ class Ledger:
         async with self._read() as aconn:
             return await aconn.run_sync(lookup)
 
+    async def continuation_candidates(
+        self, rollout_id: str, fingerprint: str
+    ) -> list[ContinuationCandidate]:
+        """Captured calls of the rollout whose continuation fingerprint is ``fingerprint`` (the
+        request-time, conversation-level lineage lookup of prefix supply), by call id."""
+        validate_rollout_id(rollout_id)
+        if not fingerprint:
+            return []
+        query = (
+            sa.select(
+                C.c.model_call_id,
+                C.c.cumulative_len,
+                C.c.cumulative_digest,
+                C.c.generation_len,
+                C.c.extra,
+            )
+            .where(
+                C.c.rollout_id == rollout_id,
+                C.c.status == "captured",
+                C.c.continuation_fingerprint == fingerprint,
+            )
+            .order_by(C.c.model_call_id)
+        )
+        async with self._read() as conn:
+            rows = (await conn.execute(query)).all()
+        return [
+            ContinuationCandidate(
+                r.model_call_id,
+                r.cumulative_len,
+                r.cumulative_digest,
+                r.generation_len,
+                dict(r.extra or {}),
+            )
+            for r in rows
+        ]
+
+    async def cumulative_token_ids(self, rollout_id: str, model_call_id: str) -> list[int]:
+        """A captured call's full prompt + generation, rebuilt and checked against its digest."""
+        validate_rollout_id(rollout_id)
+        validate_call_id(model_call_id)
+
+        def read(conn: Connection) -> list[int]:
+            return codec.unpack_ids(self._cumulative_bytes(conn, rollout_id, model_call_id))
+
+        async with self._read() as aconn:
+            return await aconn.run_sync(read)
+
     # ----------------------------------------------------------------- incomplete / freeze
 
     async def mark_incomplete(
@@ -683,23 +803,24 @@ class Ledger:
         if state.state == "frozen":
             return state
         dangling = (
-            (
-                conn.execute(
-                    sa.select(C.c.model_call_id).where(
-                        C.c.rollout_id == rollout_id, C.c.status == "intent"
-                    )
+            conn.execute(
+                sa.select(C.c.model_call_id, C.c.extra).where(
+                    C.c.rollout_id == rollout_id, C.c.status == "intent"
                 )
             )
-            .scalars()
-            .all()
-        )
-        for cid in dangling:
+        ).all()
+        for cid, extra in dangling:
+            failed = _failed_attempt(extra)
             conn.execute(
                 IE.insert().values(
                     rollout_id=rollout_id,
                     model_call_id=cid,
-                    reason="dangling_intent",
-                    detail="call was registered before dispatch but has no record at freeze",
+                    reason=failed.get("reason") or "dangling_intent",
+                    detail=(
+                        f"{failed.get('detail', '')}; no retry of it succeeded before freeze"
+                        if failed
+                        else "call was registered before dispatch but has no record at freeze"
+                    ),
                 )
             )
         snapshot_id = uuid.uuid4().hex
@@ -1210,6 +1331,12 @@ class _Parent:
     method: str
 
 
+def _failed_attempt(extra: Any) -> dict[str, Any]:
+    """The failed-attempt note of an intent row's ``extra`` (empty when there is none)."""
+    note = extra.get("failed_attempt") if isinstance(extra, dict) else None
+    return note if isinstance(note, dict) else {}
+
+
 def _views(calls: Sequence[Any], edges: Sequence[Any]) -> list[CallView]:
     by_pk = {c.id: c for c in calls}
     edge_of: dict[int, Any] = {}
@@ -1242,6 +1369,8 @@ def _views(calls: Sequence[Any], edges: Sequence[Any]) -> list[CallView]:
                 request_fingerprint=c.request_fingerprint or "",
                 continuation_fingerprint=c.continuation_fingerprint or "",
                 model=c.model or "",
+                prefix_requested=(c.extra or {}).get("prefix_requested"),
+                prefix_supplied=(c.extra or {}).get("prefix_supplied"),
             )
         )
     return views

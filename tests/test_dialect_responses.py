@@ -391,14 +391,28 @@ def test_text_format_maps_to_response_format(text: Any, expected: Any) -> None:
             {"type": "function", "name": "lookup", "namespace": "crm"},
             {"type": "function", "function": {"name": "crm__lookup"}},
         ),
-        ({"type": "function", "name": "unknown"}, None),
-        ({"type": "allowed_tools", "mode": "auto", "tools": []}, None),
     ],
 )
 def test_tool_choice_mapping(choice: Any, expected: Any) -> None:
     body = codex_body()
     body["tool_choice"] = choice
     assert responses_to_chat_request(body).get("tool_choice") == expected
+
+
+@pytest.mark.parametrize(
+    "choice",
+    [
+        {"type": "function", "name": "unknown"},
+        {"type": "allowed_tools", "mode": "auto", "tools": []},
+    ],
+)
+def test_tool_choice_that_cannot_be_honoured_is_refused(choice: Any) -> None:
+    """Issue 11: dropping it would let the model call what the harness did not allow."""
+    body = codex_body()
+    body["tool_choice"] = choice
+    with pytest.raises(UnsupportedRequest) as caught:
+        build_responses_upstream(body)
+    assert caught.value.param == "tool_choice"
 
 
 def test_max_output_tokens_sampling_and_no_tools_means_no_parallel_flag() -> None:

@@ -23,9 +23,12 @@ Request mapping (harness -> upstream chat):
 - ``tool_choice`` auto/any/tool/none -> "auto"/"required"/named function/"none";
   ``disable_parallel_tool_use`` -> ``parallel_tool_calls: false``.
 - ``max_tokens``, ``temperature``, ``top_p``, ``top_k`` kept; ``stop_sequences`` -> ``stop``;
+  ``output_config.format`` / ``output_format`` (json_schema) -> ``response_format``;
   ``metadata``, ``thinking`` (a model-specific template switch: pin it with
-  ``sampling_overrides``/``chat_template_kwargs`` instead), ``service_tier`` and newer
-  fields are dropped.
+  ``sampling_overrides``/``chat_template_kwargs`` instead), ``output_config.effort``,
+  ``service_tier`` and other serving fields are dropped.
+- ``thread``, ``compaction``, ``context_management`` edits and ``mcp_servers`` are refused
+  (``api.dialects.refusals``; the table of every field is in ``docs/dialects.md``).
 
 Response mapping (chat completion -> Anthropic ``message``) is :func:`chat_to_anthropic_message`.
 """
@@ -50,6 +53,7 @@ from api.dialects.common import (
     single_choice,
     token_count,
 )
+from api.dialects.refusals import refuse_dropped_meaning
 
 __all__ = [
     "anthropic_count_tokens_response",
@@ -71,6 +75,7 @@ def build_anthropic_upstream(
     body: Mapping[str, Any], *, sampling_overrides: Mapping[str, Any] | None = None
 ) -> UpstreamRequest:
     """The upstream chat request (with capture fields) for a Messages request."""
+    refuse_dropped_meaning(Dialect.ANTHROPIC, body)
     return finish_chat_upstream(
         anthropic_to_chat_request(body),
         dialect=Dialect.ANTHROPIC,
@@ -95,7 +100,26 @@ def anthropic_to_chat_request(body: Mapping[str, Any]) -> JSONDict:
     if tools:
         chat["tools"] = tools
         chat.update(_chat_tool_choice(body.get("tool_choice")))
+    response_format = _response_format(body)
+    if response_format is not None:
+        chat["response_format"] = response_format
     return chat
+
+
+def _response_format(body: Mapping[str, Any]) -> JSONDict | None:
+    """Structured output (``output_config.format``, or the older beta ``output_format``) as a
+    chat ``response_format``: the engine then decodes under the same JSON schema."""
+    fmt = mapping_or_empty(mapping_or_empty(body.get("output_config")).get("format"))
+    fmt = fmt or mapping_or_empty(body.get("output_format"))
+    if not fmt:
+        return None
+    if fmt.get("type") != "json_schema" or not isinstance(fmt.get("schema"), Mapping):
+        raise UnsupportedRequest(
+            f"output format {fmt.get('type')!r} is not supported (only json_schema with a "
+            "`schema` object)",
+            param="output_config",
+        )
+    return {"type": "json_schema", "json_schema": {"name": "output", "schema": fmt["schema"]}}
 
 
 def _chat_messages(body: Mapping[str, Any], messages: list[Any]) -> list[JSONDict]:

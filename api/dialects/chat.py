@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any, TypeGuard
 
 from api.dialects.common import Dialect, InvalidRequest, JSONDict, UnsupportedRequest
+from api.dialects.refusals import refuse_dropped_meaning
 
 __all__ = [
     "CHAT_CAPTURE_FIELDS",
@@ -73,6 +74,7 @@ def build_chat_upstream(
     """The upstream chat-completions request for a harness chat-completions body."""
     if not isinstance(body.get("messages"), list):
         raise InvalidRequest("`messages` must be a list of chat messages", param="messages")
+    refuse_dropped_meaning(Dialect.CHAT, body)
     stream, include_usage = _stream_flags(body)
     return finish_chat_upstream(
         body,

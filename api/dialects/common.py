@@ -47,13 +47,21 @@ class DialectError(ValueError):
     """A harness request that cannot be sent upstream; the message says what to change.
 
     ``param`` names the offending request field when there is one (OpenAI error envelopes
-    carry it).
+    carry it); ``details`` is what an Anthropic envelope carries as ``error.details`` (the
+    Anthropic SDK reads ``error_code`` there to recover by itself).
     """
 
-    def __init__(self, message: str, *, param: str | None = None) -> None:
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        details: Mapping[str, Any] | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        self.details = dict(details) if details else None
 
 
 class InvalidRequest(DialectError):

@@ -250,8 +250,11 @@ def request_error_reply(dialect: Dialect, error: DialectError) -> ErrorReply:
     """The 400 for a harness request the proxy cannot send upstream."""
     if dialect is Dialect.ANTHROPIC:
         body = _anthropic_body("invalid_request_error", error.message)
+        if error.details:
+            body["error"]["details"] = error.details
     else:
-        body = _openai_body(error.message, "invalid_request_error", error.param, None)
+        code = error.details.get("error_code") if error.details else None
+        body = _openai_body(error.message, "invalid_request_error", error.param, code)
     return ErrorReply(400, body, "invalid_prompt", error.message)
 
 

@@ -51,6 +51,7 @@ from api.dialects.common import (
     single_choice,
     token_count,
 )
+from api.dialects.refusals import refuse_dropped_meaning
 from ledger.fingerprint import CUSTOM_TOOL_INPUT_KEY, NAMESPACE_SEPARATOR
 
 __all__ = [
@@ -159,6 +160,7 @@ def build_responses_upstream(
     body: Mapping[str, Any], *, sampling_overrides: Mapping[str, Any] | None = None
 ) -> UpstreamRequest:
     """The upstream chat request (with capture fields) for a Responses request."""
+    refuse_dropped_meaning(Dialect.RESPONSES, body)
     return finish_chat_upstream(
         responses_to_chat_request(body),
         dialect=Dialect.RESPONSES,
@@ -190,6 +192,12 @@ def responses_to_chat_request(body: Mapping[str, Any]) -> JSONDict:
         tool_choice = _chat_tool_choice(body.get("tool_choice"), tool_origins(body.get("tools")))
         if tool_choice is not None:
             chat["tool_choice"] = tool_choice
+        elif isinstance(body.get("tool_choice"), Mapping):
+            raise UnsupportedRequest(
+                "`tool_choice` names a tool that is not among the function or custom tools "
+                "the request declares; the model could not be made to call it",
+                param="tool_choice",
+            )
     else:
         chat.pop("parallel_tool_calls", None)
     return chat

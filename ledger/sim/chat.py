@@ -39,6 +39,45 @@ def message_text(content: Any) -> str:
     raise TypeError(f"message content must be a string, a list of parts or null, not {content!r}")
 
 
+# vLLM 0.32 (`renderers/chat_utils.py`): part types that are text, and keys that mark media.
+TEXT_PART_TYPES = frozenset(
+    {"text", "input_text", "output_text", "refusal", "thinking", "tool_reference"}
+)
+MEDIA_PART_KEYS = frozenset(
+    {
+        "input_image",
+        "image_url",
+        "image_embeds",
+        "audio_embeds",
+        "video_embeds",
+        "prompt_embeds",
+        "image_pil",
+        "audio_url",
+        "input_audio",
+        "video_url",
+    }
+)
+
+
+def has_non_text_content(messages: Any) -> bool:
+    """Whether a message has a non-text content part (vLLM's ``has_non_text_content``): only
+    list content counts; a part with a media key, or a type that is not a text type."""
+    if not isinstance(messages, list):
+        return False
+    for message in messages:
+        content = message.get("content") if isinstance(message, Mapping) else None
+        if not isinstance(content, list):
+            continue
+        for part in content:
+            if isinstance(part, Mapping) and (
+                any(key in part for key in MEDIA_PART_KEYS)
+                or not isinstance(kind := part.get("type", "text"), str)
+                or kind not in TEXT_PART_TYPES
+            ):
+                return True
+    return False
+
+
 def hermes_block(name: str, arguments: Any) -> str:
     """One hermes tool-call block, serialised the way the simulated model writes it."""
     payload = json.dumps({"name": name, "arguments": arguments}, ensure_ascii=False)

@@ -34,7 +34,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from ledger.sim.chat import assistant_text, message_text
+from ledger.sim.chat import assistant_text, has_non_text_content, message_text
 from ledger.sim.faults import Fault, FaultKind, Faults, SimulatedDisconnect
 from ledger.sim.params import (
     CHAT_ROUTE,
@@ -215,8 +215,11 @@ class SimEngine:
         enable_auto_tool_choice: bool = True,
         stream_interval: int = 1,
         strict_model: bool = True,
+        required_prefix_extension: bool = False,
     ) -> None:
         self.tokenizer = tokenizer
+        # NeMo RL's server extension: honour `required_prefix_token_ids` (stock vLLM ignores it).
+        self.required_prefix_extension = required_prefix_extension
         self.model_name = model_name
         self.max_model_len = max_model_len
         self.seed = seed
@@ -580,11 +583,52 @@ class SimEngine:
         except (TypeError, KeyError, ValueError, AttributeError) as exc:  # refused messages
             raise ApiError(f"invalid messages: {exc}") from exc
 
+    def _reused_prompt_ids(self, body: Mapping[str, Any]) -> list[int] | None:
+        """vLLM 0.32's ``kv_transfer_params["prompt_token_ids"]`` (``_reused_prompt_token_ids``
+        in ``vllm/renderers/online_renderer.py``): popped from the params; ignored when
+        ``echo`` is set or a message has non-text content (the messages are rendered then);
+        otherwise a non-empty list of in-vocabulary ids used as the prompt, unrendered."""
+        kv = body.get("kv_transfer_params")
+        if not isinstance(kv, dict):
+            return None
+        ids = kv.get("prompt_token_ids")  # vLLM pops it; the recorded body stays as sent
+        if ids is None or opt_bool(body, "echo", False) or has_non_text_content(body["messages"]):
+            return None
+        if not isinstance(ids, list) or not ids or any(type(x) is not int or x < 0 for x in ids):
+            raise ApiError(
+                "`kv_transfer_params['prompt_token_ids']` must be a non-empty list of "
+                "non-negative integers.",
+                param="kv_transfer_params.prompt_token_ids",
+            )
+        if max(ids) >= self.tokenizer.vocab_size:
+            raise ApiError(
+                f"Token id {max(ids)} is out of vocabulary",
+                param="kv_transfer_params.prompt_token_ids",
+            )
+        return list(ids)
+
+    def _required_prefix(self, body: Mapping[str, Any], actual: list[int]) -> list[int]:
+        """NeMo RL's correction (wire-formats §3.3): the reference ids replace the shortest
+        prefix of the rendered prompt whose text equals the reference's text."""
+        ref = body.get("required_prefix_token_ids")
+        if not self.required_prefix_extension or not isinstance(ref, list) or not ref:
+            return actual
+        if actual[: len(ref)] == ref:
+            return actual
+        ref_text = self.tokenizer.decode(ref)
+        if not self.tokenizer.decode(actual).startswith(ref_text):
+            raise ApiError("non-monotonically increasing trajectory", status=500)
+        for cut in range(1, len(actual) + 1):
+            if self.tokenizer.decode(actual[:cut]) == ref_text:
+                return [*ref, *actual[cut:]]
+        raise ApiError("non-monotonically increasing trajectory", status=500)
+
     def _chat_response(self, body: Mapping[str, Any], fault: Fault | None) -> Response:
         params = _apply_fault(self._chat_params(body), fault)
         self._check_model(params)
         self._check_max_tokens(params)
-        prompt = self._render(body)
+        reused = self._reused_prompt_ids(body)
+        prompt = reused if reused is not None else self._required_prefix(body, self._render(body))
         budget = self._budget(len(prompt), params, truncated_count=True)
         samples = []
         for i in range(params.n):
@@ -1025,6 +1069,7 @@ def create_sim_vllm_app(
     enable_auto_tool_choice: bool = True,
     stream_interval: int = 1,
     strict_model: bool = True,
+    required_prefix_extension: bool = False,
 ) -> Starlette:
     """The ASGI app of a new `SimEngine`; reach the engine with `engine_of(app)`."""
     return SimEngine(
@@ -1037,6 +1082,7 @@ def create_sim_vllm_app(
         enable_auto_tool_choice=enable_auto_tool_choice,
         stream_interval=stream_interval,
         strict_model=strict_model,
+        required_prefix_extension=required_prefix_extension,
     ).app
 
 

@@ -14,6 +14,7 @@ cache did not see the parent written.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass, field
@@ -215,6 +216,9 @@ def put_steps(
 
     plen, glen = len(prep.prompt) // 4, len(prep.generation) // 4
     parent = yield from parent_for(prep, rid, plen)
+    if parent is not None and parent.method == "token_prefix" and prep.extra.get("prefix_supplied"):
+        # Proven by tokens like any edge; the label says the proxy supplied the prefix.
+        parent = dataclasses.replace(parent, method="supplied_prefix")
     stored_prompt, is_delta = prep.prompt, False
     if parent is not None and delta_records:
         stored_prompt, is_delta = prep.prompt[parent.cumulative_len * 4 :], True

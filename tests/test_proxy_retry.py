@@ -1,0 +1,160 @@
+"""Issue 11 point 3: a retried upstream failure must not mask the rollout.
+
+An upstream attempt that put nothing in front of the harness (a 5xx, a refused connection:
+the proxy never streams a partial answer) stays open; when a retry of the same request
+succeeds it is recorded as cancelled, so the rollout is delivered.  A refused connection is
+retried once by the proxy itself.  Without a successful retry the attempt is a lost call at
+freeze (``upstream_error``), and a call whose output reached the harness without a record
+still masks.  Driven by the real OpenAI and Anthropic SDKs (their own retries) against the
+simulated vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import anthropic
+import httpx
+import openai
+import pytest
+
+from api.app import create_app
+from ledger.config import load_settings
+from ledger.sim import ByteTokenizer, SimEngine, ThreadedServer
+from tests.proxy_support import RecordingTransport, Stack, delivered, sampled_chain
+
+Rid = Callable[[str], str]
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture
+def stack(shared_stack: Stack) -> Stack:
+    return shared_stack
+
+
+def statuses(stack: Stack, rollout_id: str) -> list[str]:
+    detail = stack.detail(rollout_id)
+    assert detail is not None
+    return [c["status"] for c in detail["calls"]]
+
+
+def finalize(stack: Stack, rollout_id: str, response_id: str) -> tuple[dict[str, Any], Any]:
+    result: dict[str, Any] = {"_ng_rollout_id": rollout_id, "response": {"id": response_id}}
+    result["response"]["output"] = []
+    return result, stack.finalize(result)
+
+
+def test_openai_sdk_retry_after_a_5xx_is_delivered(stack: Stack, rid: Rid) -> None:
+    r = rid("retry5xx")
+    client = openai.OpenAI(base_url=stack.base(r) + "/v1", api_key="sk", max_retries=2)
+    stack.engine.faults.next("http_500")
+    answer = client.chat.completions.create(model="smol", messages=HI)  # type: ignore[arg-type]
+    assert statuses(stack, r) == ["cancelled", "captured"]
+    result, build = finalize(stack, r, answer.id)
+    assert build["outcome"] == "delivered", build["mask_reasons"]
+    assert not result["_ng_token_capture"]["capture_incomplete"]
+    assert delivered(result) == sampled_chain(stack, [0])
+
+
+def test_anthropic_sdk_retry_after_a_5xx_is_delivered(stack: Stack, rid: Rid) -> None:
+    r = rid("retryclaude")
+    client = anthropic.Anthropic(base_url=stack.base(r), api_key="sk", max_retries=2)
+    stack.engine.faults.next("http_500")
+    message = client.messages.create(model="smol", max_tokens=64, messages=HI)  # type: ignore[arg-type]
+    assert statuses(stack, r) == ["cancelled", "captured"]
+    _, build = finalize(stack, r, message.id)
+    assert build["outcome"] == "delivered", build["mask_reasons"]
+
+
+def test_a_failure_without_a_successful_retry_is_a_lost_call(stack: Stack, rid: Rid) -> None:
+    r = rid("noretry")
+    client = openai.OpenAI(base_url=stack.base(r) + "/v1", api_key="sk", max_retries=0)
+    stack.engine.script("First.")
+    first = client.chat.completions.create(model="smol", messages=HI)  # type: ignore[arg-type]
+    stack.engine.faults.next("http_500")
+    follow = [*HI, {"role": "assistant", "content": "First."}, {"role": "user", "content": "more"}]
+    with pytest.raises(openai.InternalServerError):
+        client.chat.completions.create(model="smol", messages=follow)  # type: ignore[arg-type]
+    # A different request succeeding is not a retry of the failed one.
+    client.chat.completions.create(model="smol", messages=[{"role": "user", "content": "x"}])  # type: ignore[arg-type]
+    assert statuses(stack, r) == ["captured", "intent", "captured"]
+    _, build = finalize(stack, r, first.id)
+    assert build["outcome"] == "masked"
+    assert "capture_incomplete" in build["mask_reasons"]
+    assert stack.reasons(r) == ["upstream_error"]
+
+
+def test_output_that_reached_the_harness_without_a_record_still_masks(
+    stack: Stack, rid: Rid
+) -> None:
+    """The seed's rule: an intent with no record at freeze (the answer was served, the record
+    never written) masks, whatever retries follow."""
+    r = rid("served")
+    client = openai.OpenAI(base_url=stack.base(r) + "/v1", api_key="sk", max_retries=0)
+    answer = client.chat.completions.create(model="smol", messages=HI)  # type: ignore[arg-type]
+    # A harness that got its answer while the proxy lost the record: an open intent without
+    # a failure note, exactly what a crash between answer and record leaves.
+    stack.ledger_call("begin_call", r, "c-served", route="POST /v1/chat/completions")
+    client.chat.completions.create(model="smol", messages=HI)  # type: ignore[arg-type]
+    _, build = finalize(stack, r, answer.id)
+    assert build["outcome"] == "masked"
+    assert stack.reasons(r) == ["dangling_intent"]
+
+
+class RefuseFirstConnects(httpx.AsyncHTTPTransport):
+    """A fault injector in front of the real upstream: the first ``n`` generating requests
+    find the port closed (``httpx.ConnectError``, what a refused connection raises)."""
+
+    def __init__(self, inner: httpx.AsyncBaseTransport, n: int) -> None:
+        super().__init__()
+        self.inner, self.left, self.refused = inner, n, 0
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/v1/chat/completions" and self.left > 0:
+            self.left -= 1
+            self.refused += 1
+            raise httpx.ConnectError("[Errno 111] Connection refused", request=request)
+        return await self.inner.handle_async_request(request)
+
+
+@pytest.fixture
+def refusing(db_url: str) -> Iterator[tuple[Stack, RefuseFirstConnects]]:
+    engine = SimEngine(ByteTokenizer(), max_model_len=16384, seed=3)
+    with ThreadedServer(engine.app) as upstream:
+        settings = load_settings(db=db_url, upstream=upstream.url + "/v1")
+        sampled: list[dict[str, Any]] = []
+        transport = RefuseFirstConnects(RecordingTransport(sampled), 0)
+        app = create_app(settings, upstream_transport=transport)
+        with ThreadedServer(app, lifespan="on", startup_timeout=60) as proxy:
+            yield Stack(engine, upstream.url, proxy.url, db_url, settings, sampled), transport
+
+
+def test_a_refused_connection_is_retried_once_by_the_proxy(
+    refusing: tuple[Stack, RefuseFirstConnects], rid: Rid
+) -> None:
+    stack, transport = refusing
+    r = rid("refused1")
+    transport.left = 1
+    client = openai.OpenAI(base_url=stack.base(r) + "/v1", api_key="sk", max_retries=0)
+    answer = client.chat.completions.create(model="smol", messages=HI)  # type: ignore[arg-type]
+    assert transport.refused == 1
+    assert statuses(stack, r) == ["captured"]
+    _, build = finalize(stack, r, answer.id)
+    assert build["outcome"] == "delivered", build["mask_reasons"]
+    metrics = httpx.get(stack.url + "/metrics").text
+    assert "rollout_ledger_upstream_retries_total 1.0" in metrics
+
+
+def test_refused_twice_then_the_sdk_retry_succeeds(
+    refusing: tuple[Stack, RefuseFirstConnects], rid: Rid
+) -> None:
+    stack, transport = refusing
+    r = rid("refused2")
+    transport.left = 2  # the proxy's own retry is refused as well
+    client = anthropic.Anthropic(base_url=stack.base(r), api_key="sk", max_retries=2)
+    message = client.messages.create(model="smol", max_tokens=64, messages=HI)  # type: ignore[arg-type]
+    assert transport.refused == 2
+    assert statuses(stack, r) == ["cancelled", "captured"]
+    _, build = finalize(stack, r, message.id)
+    assert build["outcome"] == "delivered", build["mask_reasons"]
