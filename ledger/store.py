@@ -1369,11 +1369,21 @@ def _views(calls: Sequence[Any], edges: Sequence[Any]) -> list[CallView]:
                 request_fingerprint=c.request_fingerprint or "",
                 continuation_fingerprint=c.continuation_fingerprint or "",
                 model=c.model or "",
-                prefix_requested=(c.extra or {}).get("prefix_requested"),
-                prefix_supplied=(c.extra or {}).get("prefix_supplied"),
+                prefix_requested=_prefix_flag(c.extra, "prefix_requested"),
+                prefix_supplied=_prefix_flag(c.extra, "prefix_supplied"),
             )
         )
     return views
+
+
+def _prefix_flag(extra: Any, name: str) -> bool | None:
+    """A prefix-supply flag of a stored call: ``None`` when the call was not captured with
+    prefix supply on.  The proxy stores its ``prefix_context`` digest on every call it captures
+    with supply on; a ``False`` flag equals the record default and is not kept in ``extra``."""
+    extra = extra or {}
+    if name in extra:
+        return bool(extra[name])
+    return False if "prefix_context" in extra else None
 
 
 def _recorded_boundary(call: Any) -> str | None:
