@@ -36,7 +36,7 @@ import pytest
 from api.app import create_app
 from ledger import migrate
 from ledger.config import load_settings
-from ledger.sim import ByteTokenizer, SimEngine, ThreadedServer
+from rollout_sim import ByteTokenizer, SimEngine, ThreadedServer
 from tests.helpers.fault_harness import Session, check_acks_byte_for_byte, expected_chain, finalize
 from tests.helpers.fault_support import (
     ServeProcess,

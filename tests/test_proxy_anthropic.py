@@ -13,7 +13,7 @@ from typing import Any
 import anthropic
 import pytest
 
-from ledger.sim import Reply
+from rollout_sim import Reply
 from tests.proxy_support import Stack, delivered, sampled_chain
 
 Rid = Callable[[str], str]

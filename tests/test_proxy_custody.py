@@ -39,9 +39,9 @@ import ledger.engine
 from api.app import create_app
 from ledger.config import load_settings
 from ledger.errors import Unavailable
-from ledger.sim import ByteTokenizer, SimEngine, ThreadedServer
-from ledger.sim.engine import SimRequest
 from ledger.store import Ledger
+from rollout_sim import ByteTokenizer, SimEngine, ThreadedServer
+from rollout_sim.engine import SimRequest
 from tests.proxy_support import Stack, start_stack
 
 Rid = Callable[[str], str]

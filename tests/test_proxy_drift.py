@@ -19,7 +19,7 @@ import pytest
 from typer.testing import CliRunner
 
 from api.cli import app as cli_app
-from ledger.sim import Reply
+from rollout_sim import Reply
 from tests.proxy_support import Stack
 
 Rid = Callable[[str], str]

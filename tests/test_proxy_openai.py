@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from ledger.sim import Reply, SimEngine
+from rollout_sim import Reply, SimEngine
 from tests.proxy_support import Stack, delivered, sampled_chain, start_stack
 from tests.support.smollm2 import load_smollm2_tokenizer
 

@@ -29,7 +29,7 @@ from starlette.responses import Response
 
 from ledger import migrate
 from ledger.config import load_settings
-from ledger.sim import ByteTokenizer, SimEngine, ThreadedServer
+from rollout_sim import ByteTokenizer, SimEngine, ThreadedServer
 from tests.proxy_support import Stack
 
 Rid = Callable[[str], str]

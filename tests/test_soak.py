@@ -28,8 +28,8 @@ from typing import Any
 import httpx
 
 from ledger.delivery import finalize_rollout_token_capture
-from ledger.sim import ByteTokenizer, SimEngine, ThreadedServer
 from ledger.store import Ledger
+from rollout_sim import ByteTokenizer, SimEngine, ThreadedServer
 from tests.helpers.fault_harness import Session, check_acks_byte_for_byte, expected_chain
 from tests.helpers.fault_support import ServeProcess, UpstreamTap, half_written, run_async
 from tests.proxy_support import delivered

@@ -34,9 +34,9 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from ledger.sim.chat import assistant_text, message_text
-from ledger.sim.faults import Fault, FaultKind, Faults, SimulatedDisconnect
-from ledger.sim.params import (
+from rollout_sim.chat import assistant_text, message_text
+from rollout_sim.faults import Fault, FaultKind, Faults, SimulatedDisconnect
+from rollout_sim.params import (
     CHAT_ROUTE,
     COMPLETIONS_ROUTE,
     ApiError,
@@ -46,8 +46,8 @@ from ledger.sim.params import (
     opt_int,
     tool_mode_of,
 )
-from ledger.sim.parsers import ToolMode, parse_output
-from ledger.sim.stream import Sample, Step, interleave, json_response, sse, text_offsets
+from rollout_sim.parsers import ToolMode, parse_output
+from rollout_sim.stream import Sample, Step, interleave, json_response, sse, text_offsets
 
 __all__ = [
     "VLLM_VERSION",
