@@ -52,7 +52,7 @@ class BodyLimit:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
-                    raise _TooLarge
+                    raise errors.BodyTooLarge
             return message
 
         async def tracking_send(message: Message) -> None:
@@ -63,7 +63,7 @@ class BodyLimit:
 
         try:
             await self.app(scope, limited_receive, tracking_send)
-        except _TooLarge:
+        except errors.BodyTooLarge:
             if not started:
                 await self._too_large(send)
 
@@ -77,10 +77,6 @@ class BodyLimit:
             status_code=413,
         )
         await resp({"type": "http"}, _no_receive, send)
-
-
-class _TooLarge(Exception):
-    pass
 
 
 async def _no_receive() -> Message:
