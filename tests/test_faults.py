@@ -66,6 +66,7 @@ TURNS = 6
 KILL_AFTER_ACKS = 24
 
 
+@pytest.mark.slow
 def test_serve_sigkill_under_load_loses_no_acknowledged_call(
     backend: str, db_url: str, rid: Rid, tmp_path: Path
 ) -> None:
