@@ -10,6 +10,11 @@ callable, or a seeded word-salad policy. Sampled ids are always
 Faults (HTTP 500, hangs, dropped streams, missing or malformed token payloads) are
 queued at run time on `SimEngine.faults`; every request received is kept in
 `SimEngine.requests`.
+
+Over 600 lines on purpose, for now: every route (chat, completions, tokenize, models) is a
+method of the one `SimEngine`, sharing its sampler, fault queue and request log; splitting it
+into per-route mixins waits until branches still editing the pre-move `ledger/sim/engine.py`
+have been merged onto this file (a pure rename lets git carry their edits here).
 """
 
 from __future__ import annotations
