@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import ast
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
@@ -80,40 +82,59 @@ def _imported_modules(path: Path) -> list[str]:
     return names
 
 
+def _eager_imports(path: Path) -> list[str]:
+    """Absolute names of the modules `path` imports when it is loaded (outside functions)."""
+    names: list[str] = []
+    pending: list[ast.AST] = [ast.parse(path.read_text(), filename=str(path))]
+    while pending:
+        node = pending.pop()
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+            continue
+        if isinstance(node, ast.Import):
+            names += [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names += [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+        pending.extend(ast.iter_child_nodes(node))
+    return names
+
+
 def test_simulated_engine_stands_outside_the_product() -> None:
-    """`rollout_sim` is test and demo support: the domain never imports it, and the web layer
-    only in the demo module, which the CLI loads lazily for `rollout-ledger demo`."""
+    """`rollout_sim` is test and demo support: the domain never imports it (see above); in the
+    web layer only the demo module loads it eagerly, and the demo module itself (like any other
+    sim command) is loaded only when its command runs."""
     assert not (ROOT / "ledger" / "sim").exists()
     packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
     assert "rollout_sim*" in packages["packages"]["find"]["include"]
-    users = sorted(
-        str(path.relative_to(ROOT))
-        for pkg in ("ledger", "api")
-        for path in (ROOT / pkg).rglob("*.py")
-        if any(n.split(".")[0] == "rollout_sim" for n in _imported_modules(path))
-    )
-    assert users == ["api/demo.py"]
-    top_level_demo_importers = [
+    eager_sim_users = sorted(
         str(path.relative_to(ROOT))
         for path in (ROOT / "api").rglob("*.py")
-        for node in ast.parse(path.read_text()).body
-        if isinstance(node, ast.ImportFrom | ast.Import)
-        and any(
-            n == "api.demo"
-            for n in (
-                [a.name for a in node.names]
-                if isinstance(node, ast.Import)
-                else [node.module or ""] + [f"{node.module}.{a.name}" for a in node.names]
-            )
-        )
+        if any(n.split(".")[0] == "rollout_sim" for n in _eager_imports(path))
+    )
+    assert eager_sim_users == ["api/demo.py"]
+    eager_demo_users = [
+        str(path.relative_to(ROOT))
+        for path in (ROOT / "api").rglob("*.py")
+        if "api.demo" in _eager_imports(path)
     ]
-    assert top_level_demo_importers == []
+    assert eager_demo_users == []
     sim_imports = {
         n.split(".")[0]
         for path in (ROOT / "rollout_sim").rglob("*.py")
         for n in _imported_modules(path)
     }
     assert not sim_imports & {"ledger", "api"}
+
+
+def test_serving_never_loads_the_simulated_engine() -> None:
+    """Importing the service and the CLI (what `rollout-ledger serve` runs) loads no simulator."""
+    probe = (
+        "import sys, ledger, ledger.gym, ledger.delivery, api.app, api.cli, api.proxy\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'rollout_sim'))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], cwd=ROOT, capture_output=True, text=True, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
 
 
 def _product_modules() -> dict[str, Path]:
