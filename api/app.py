@@ -55,7 +55,7 @@ class BodyLimit:
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
                 if seen > self.max_bytes:
-                    raise _TooLarge
+                    raise errors.BodyTooLarge
             return message
 
         async def tracking_send(message: Message) -> None:
@@ -66,7 +66,7 @@ class BodyLimit:
 
         try:
             await self.app(scope, limited_receive, tracking_send)
-        except _TooLarge:
+        except errors.BodyTooLarge:
             if not started:
                 await self._too_large(send)
 
@@ -80,12 +80,6 @@ class BodyLimit:
             status_code=413,
         )
         await resp({"type": "http"}, _no_receive, send)
-
-
-class _TooLarge(BaseException):
-    """Raised into whoever is reading the body.  A ``BaseException`` so that no ``except
-    Exception`` on the way (FastAPI's body reader, the proxy's JSON parsing, httpx streaming the
-    body upstream) turns the 413 into a 400 or a 502."""
 
 
 async def _no_receive() -> Message:

@@ -177,7 +177,7 @@ def _register(app: typer.Typer) -> None:
         """
         import uvicorn
 
-        from ledger.sim.agentic import make_sim_engine
+        from rollout_sim.agentic import make_sim_engine
 
         engine = make_sim_engine(model_name=model, seed=seed, max_model_len=max_model_len)
         err.print(

@@ -24,8 +24,8 @@ from rich.table import Table
 from api.app import create_app
 from ledger.config import load_settings
 from ledger.delivery import finalize_rollout_token_capture, retire_rollout_token_capture
-from ledger.sim import ByteTokenizer, SimEngine, ThreadedServer
 from ledger.store import Audit, Ledger
+from rollout_sim import ByteTokenizer, SimEngine, ThreadedServer
 
 REAL_VLLM_HINT = (
     "rollout-ledger serve --upstream http://127.0.0.1:8000/v1   "

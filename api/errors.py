@@ -29,6 +29,10 @@ STATUS: list[tuple[type[LedgerError], int]] = [
 ]
 
 
+class BodyTooLarge(Exception):
+    """Raised by the body-limit middleware (``api.app.BodyLimit``) when a body passes the limit."""
+
+
 def status_for(exc: LedgerError) -> int:
     for cls, code in STATUS:
         if isinstance(exc, cls):
@@ -102,9 +106,4 @@ def install_http(app: FastAPI) -> None:
 
 
 def _is_body_limit(exc: BaseException | None) -> bool:
-    if exc is None:
-        return False
-    from api import app as app_module  # the body-limit middleware lives there
-
-    marker = getattr(app_module, "_TooLarge", None)
-    return isinstance(marker, type) and isinstance(exc, marker)
+    return isinstance(exc, BodyTooLarge)

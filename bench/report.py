@@ -408,7 +408,7 @@ def render(r: dict[str, Any], pngs: list[str], results_path: Path, docs: Path) -
         "process, `begin_call` + `put` per call exactly as the proxy does (token ids from a "
         "151k vocabulary, float32 log-probs, a Responses message item per call); a call is "
         "acknowledged when `put` returns. **Proxy**: `rollout-ledger serve` (its own process, "
-        "default settings) in front of the simulated vLLM engine (`ledger.sim`, byte tokenizer, "
+        "default settings) in front of the simulated vLLM engine (`rollout_sim`, byte tokenizer, "
         "another process), driven with raw httpx over loopback from the benchmark process; all "
         "three share the machine's CPUs. The generator also does abandoned retries and side "
         "calls (`retry_every`, `side_call_every`), run once per backend as a lineage check.\n"

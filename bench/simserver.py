@@ -17,7 +17,7 @@ import random
 import uvicorn
 
 from bench.workload import text
-from ledger.sim import ByteTokenizer, SimEngine, SimRequest
+from rollout_sim import ByteTokenizer, SimEngine, SimRequest
 
 
 def make_engine(gen_tokens: int, max_model_len: int) -> SimEngine:

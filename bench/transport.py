@@ -21,7 +21,7 @@ from ledger import wire
 from ledger.client import RemoteLedger
 from ledger.config import load_settings
 from ledger.records import TokenEntry
-from ledger.sim import ThreadedServer
+from rollout_sim import ThreadedServer
 
 GEN_TOKENS = 300
 

@@ -32,14 +32,26 @@ log = logging.getLogger("rollout_ledger.delivery")
 
 
 def _backend(source: Any) -> Any:
-    """Accept a ``CaptureSource``/``Ledger``/remote client; return what builds (a
-    ``ledger.gym.LedgerBackend``: ``finalize``, ``retire``, ``mark_delivery``)."""
+    """Accept a ``CaptureSource``/``Ledger``/remote client; return what builds (a ``Ledger``,
+    built here by ``build_rollout``, or a client with ``finalize``, ``retire``,
+    ``mark_delivery``)."""
     return getattr(source, "backend", source)
 
 
 def _is_ledger(source: Any) -> bool:
     """The ledger's own source (fast path), as opposed to any other Gym ``TokenSource``."""
-    return callable(getattr(_backend(source), "finalize", None))
+    backend = _backend(source)
+    return isinstance(backend, Ledger) or callable(getattr(backend, "finalize", None))
+
+
+async def _build_at(
+    backend: Any, result: dict[str, Any], *, deliver: str, consumer: str
+) -> dict[str, Any]:
+    """Build here over a SQL ``Ledger``; a remote ledger (``RemoteLedger``) builds on its server."""
+    if isinstance(backend, Ledger):
+        return await build_rollout(backend, result, deliver=deliver, consumer=consumer)
+    build: dict[str, Any] = await backend.finalize(result, deliver=deliver, consumer=consumer)
+    return build
 
 
 def carries_token_ids(result: Mapping[str, Any]) -> bool:
@@ -124,12 +136,12 @@ async def finalize_rollout_token_capture(
         return build
     try:
         if _is_ledger(source):
-            build = await _backend(source).finalize(result, deliver=deliver, consumer=consumer)
+            build = await _build_at(_backend(source), result, deliver=deliver, consumer=consumer)
         else:  # any other TokenSource: its frozen entries, through the same ingest and builder
             from ledger.source_build import build_from_source
 
             build = await build_from_source(
-                source, result, rollout_id, deliver=deliver, consumer=consumer
+                source, result, rollout_id, build_rollout, deliver=deliver, consumer=consumer
             )
     except Exception as exc:  # the source itself failed: mask, keep everything for diagnosis
         log.warning("finalize failed for rollout %s: %s", rollout_id, exc)

@@ -1,6 +1,6 @@
 """The ledger's read operations for NeMo Gym 0.7.0's lineage protocol (SQL for ``ledger.gym``).
 
-Two named operations over one ``Ledger``, each in one read transaction:
+The named read operation over one ``Ledger``, in one read transaction:
 
 - ``resolve_request(ledger, rollout_id, request_items)``: 0.7.0's ``LineageResolver.resolve``
   (the rule is in ``ledger.gym_lineage``).  Candidates are found in SQL by the continuation
@@ -9,10 +9,8 @@ Two named operations over one ``Ledger``, each in one read transaction:
   ledger's cumulative digest and the record's Gym ``digest``.
   When no token record resolves the request, a ``CaptureLedger`` custody row may
   (``ledger.custody.custody_match``), as 0.7.0's ``FileLineageStore`` falls back to its rows.
-- ``materialize_delta(ledger, entry)``: a Gym delta record (``prompt_is_delta``, its prompt only
-  the suffix after its resolved parent) with its full prompt, so the ledger's token-prefix proof
-  at ingest sees the real prompt.  The parent's stored cumulative tokens plus the suffix must
-  reproduce the record's ``cum_len`` and ``digest``; otherwise the record is refused.
+
+Gym delta records are made whole at ingest by ``ledger.gym_delta`` (``Ledger.put`` calls it).
 
 A call id whose put was refused as a conflicting payload is never a candidate: the ledger keeps
 the first record, but a resolver must not build on an id that was reused.
@@ -28,15 +26,15 @@ from sqlalchemy.engine import Connection
 
 from ledger import codec
 from ledger.custody import custody_match
-from ledger.errors import InvalidRecord, LedgerError
+from ledger.errors import InvalidRecord
 from ledger.gym_fingerprint import assistant_fingerprint
 from ledger.gym_lineage import LineageCandidate, LineageMatch, LineageResolution, choose_parent
 from ledger.ids import validate_rollout_id
-from ledger.records import ParentResolutionStatus, TokenEntry, gym_token_digest
+from ledger.records import ParentResolutionStatus, gym_token_digest
 from ledger.store import Ledger
 from ledger.tables import Call, IncompleteEvent, Rollout
 
-__all__ = ["materialize_delta", "resolve_request"]
+__all__ = ["resolve_request"]
 
 R = cast(sa.Table, Rollout.__table__)
 C = cast(sa.Table, Call.__table__)
@@ -131,35 +129,3 @@ def _candidates(conn: Connection, rollout_id: str, fingerprint: str) -> list[Lin
             )
         )
     return out
-
-
-async def materialize_delta(ledger: Ledger, entry: TokenEntry) -> TokenEntry:
-    """``entry`` with its full prompt (its resolved parent's cumulative tokens + its suffix)."""
-    parent = entry.parent_call_id
-    if not entry.prompt_is_delta or parent is None:
-        return entry
-    rid = entry.rollout_id
-
-    def read(conn: Connection) -> bytes:
-        return ledger._cumulative_bytes(conn, rid, parent)
-
-    try:
-        async with ledger._read() as aconn:
-            base = codec.unpack_ids(await aconn.run_sync(read))
-    except LedgerError as exc:
-        raise InvalidRecord(
-            f"delta record {entry.model_call_id!r} cannot be reconstructed through its parent "
-            f"{parent!r}: {exc}",
-            rollout_id=rid,
-        ) from None
-    prompt = [*base, *entry.prompt_token_ids]
-    full = [*prompt, *entry.generation_token_ids]
-    if (entry.cum_len is not None and entry.cum_len != len(full)) or (
-        entry.digest and gym_token_digest(full) != entry.digest
-    ):
-        raise InvalidRecord(
-            f"delta record {entry.model_call_id!r}: its parent {parent!r} plus its suffix do not "
-            "reproduce its cum_len/digest",
-            rollout_id=rid,
-        )
-    return entry.model_copy(update={"prompt_token_ids": prompt})

@@ -13,7 +13,9 @@ is the ledger (``CaptureSource``, ``Ledger``, ``RemoteLedger``).  Any other ``To
    reconstruction;
 3. marks that ledger incomplete when the snapshot is incomplete or an entry is refused (with the
    refusal as the detail);
-4. runs the same build (``Ledger.finalize``) and returns it with the source's snapshot identity.
+4. runs the same build (``build``: ``ledger.delivery.build_rollout``, handed in by the caller
+   so this module never imports the delivery module that imports it) and returns it with the
+   source's snapshot identity.
 
 Nothing of the scratch ledger survives the call.
 """
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,24 +41,23 @@ async def build_from_source(
     source: Any,
     result: dict[str, Any],
     rollout_id: str,
+    build: Callable[..., Awaitable[dict[str, Any]]],
     *,
     deliver: str = "one",
     consumer: str = "",
 ) -> dict[str, Any]:
-    """Freeze ``rollout_id`` at ``source`` and build it with the ledger's builder."""
+    """Freeze ``rollout_id`` at ``source`` and build it with the ledger's builder (``build``)."""
     snapshot = await source.freeze(rollout_id)
     with tempfile.TemporaryDirectory(prefix="rollout-ledger-build-") as tmp:
         scratch = await asyncio.to_thread(_scratch_ledger, Path(tmp))
         try:
             await _ingest(scratch, rollout_id, snapshot.entries, bool(snapshot.incomplete))
-            build: dict[str, Any] = await scratch.finalize(
-                result, deliver=deliver, consumer=consumer
-            )
+            built = await build(scratch, result, deliver=deliver, consumer=consumer)
         finally:
             await scratch.close()
     identity = {"snapshot_id": str(snapshot.snapshot_id), "version": int(snapshot.version)}
-    build.update(identity, _capture_snapshot=dict(identity), delivery_id=None)
-    return build
+    built.update(identity, _capture_snapshot=dict(identity), delivery_id=None)
+    return built
 
 
 _EMPTY_SCHEMA: bytes | None = None

@@ -37,6 +37,7 @@ from ledger.errors import (
     RolloutRetired,
     Unavailable,
 )
+from ledger.gym_delta import materialize_delta
 from ledger.ids import MAX_CALL_ID_LEN, is_valid_id, validate_call_id, validate_rollout_id
 from ledger.lineage_ingest import decision_of_stored
 from ledger.model import CallView, ChainLinkTokens, Quarantine
@@ -533,9 +534,7 @@ class Ledger:
         """
         entry = coerce_entry(entry)
         if entry.prompt_is_delta:  # a NeMo Gym delta record: prove lineage on its full prompt
-            from ledger.gym_store import materialize_delta
-
-            entry = await materialize_delta(self, entry)
+            entry = await materialize_delta(entry, self._read_cumulative_bytes)
         n_tokens = len(entry.prompt_token_ids) + len(entry.generation_token_ids)
         if n_tokens > _OFFLOAD_TOKENS:
             prep = await asyncio.to_thread(ingest.prepare, entry, self._tips)
@@ -677,6 +676,11 @@ class Ledger:
             .select_from(chain.join(C, C.c.id == chain.c.id).join(T, T.c.call_id == C.c.id))
             .order_by(chain.c.depth.desc())
         )
+
+    async def _read_cumulative_bytes(self, rollout_id: str, model_call_id: str) -> bytes:
+        """``_cumulative_bytes`` in a read transaction of its own."""
+        async with self._read() as aconn:
+            return await aconn.run_sync(self._cumulative_bytes, rollout_id, model_call_id)
 
     def _cumulative_bytes(self, conn: Connection, rollout_id: str, model_call_id: str) -> bytes:
         """A call's full prompt+generation, rebuilt from its nearest full record and checked."""
@@ -1038,14 +1042,6 @@ class Ledger:
         return RolloutState(rollout_id, row.state, row.incomplete, row.snapshot_id, row.version)
 
     # ----------------------------------------------------------------- deliveries
-
-    async def finalize(
-        self, result: dict[str, Any], *, deliver: str = "one", consumer: str = ""
-    ) -> dict[str, Any]:
-        """Freeze, build, project and record one rollout result (see ``ledger.delivery``)."""
-        from ledger.delivery import build_rollout
-
-        return await build_rollout(self, result, deliver=deliver, consumer=consumer)
 
     async def record_delivery(
         self,

@@ -20,8 +20,8 @@ from ledger import migrate
 from ledger.config import Settings, load_settings
 from ledger.delivery import finalize_rollout_token_capture
 from ledger.errors import NotFound
-from ledger.sim import ByteTokenizer, SimEngine, ThreadedServer
 from ledger.store import Audit, Ledger
+from rollout_sim import ByteTokenizer, SimEngine, ThreadedServer
 from tests.conftest import BACKENDS, require_postgres
 
 

@@ -868,6 +868,7 @@ def long_chain(n: int) -> list[CallView]:
     return views
 
 
+@pytest.mark.slow
 def test_thousand_call_chain_builds_fast_without_recursion() -> None:
     views = long_chain(1000)
     shuffled = views[::-1]
@@ -888,6 +889,7 @@ def test_thousand_call_chain_builds_fast_without_recursion() -> None:
     assert attributed.terminal.chain == "delivered"
 
 
+@pytest.mark.slow
 def test_thousand_calls_with_a_retry_at_every_step() -> None:
     views = long_chain(500)
     retries = [

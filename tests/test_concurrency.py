@@ -655,6 +655,7 @@ async def _assert_nothing_torn(db_url: str, streams: list[Stream], acked: set[st
         await fresh.close()
 
 
+@pytest.mark.slow
 async def test_sigkilled_writer_loses_no_acknowledged_call(
     db_url: str, rid: Rid, spawn: Spawn
 ) -> None:

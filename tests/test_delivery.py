@@ -385,6 +385,7 @@ async def test_masked_builds_are_never_retired(ledger: Ledger, rid: Rid) -> None
     assert not await retire_rollout_token_capture(r, ledger, forged)
 
 
+@pytest.mark.slow
 async def test_thousand_call_rollout_builds(ledger: Ledger, rid: Rid) -> None:
     r = rid("long")
     s = Scripted(ledger, r)

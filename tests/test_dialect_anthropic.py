@@ -8,6 +8,7 @@ translated chat requests with the OpenAI SDK's request types.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from typing import Any
 
@@ -32,6 +33,7 @@ from api.dialects import (
 )
 from api.dialects.errors import ContextOverflow, anthropic_overflow_message
 from api.extract import strip_chat_response
+from tests.support.vllm import vllm_chat_answer
 
 PROMPT_IDS = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28]
 PROMPT_IDS += [7018, 411, 407, 19712, 8182, 2, 198, 1, 4093, 198, 36218, 15876, 281, 1296]
@@ -95,60 +97,8 @@ def claude_code_body() -> dict[str, Any]:
     }
 
 
-def vllm_chat(
-    content: str | None,
-    token_ids: list[int],
-    *,
-    finish_reason: str = "stop",
-    stop_reason: Any = None,
-    tool_calls: list[dict[str, Any]] | None = None,
-    reasoning: str | None = None,
-) -> dict[str, Any]:
-    """A vLLM 0.32 chat completion as §1.2 shows it (return_token_ids + token_id logprobs)."""
-    logprobs = [-0.25 * (k + 1) for k in range(len(token_ids))]
-    return {
-        "id": "chatcmpl-a3314b09b486737c",
-        "object": "chat.completion",
-        "created": 1795940059,
-        "model": "smol",
-        "choices": [
-            {
-                "index": 0,
-                "message": {
-                    "role": "assistant",
-                    "content": content,
-                    "refusal": None,
-                    "annotations": None,
-                    "audio": None,
-                    "function_call": None,
-                    "tool_calls": tool_calls or [],
-                    "reasoning": reasoning,
-                },
-                "logprobs": {
-                    "content": [
-                        {"token": f"token_id:{t}", "logprob": lp, "bytes": [65], "top_logprobs": []}
-                        for t, lp in zip(token_ids, logprobs, strict=True)
-                    ]
-                },
-                "finish_reason": finish_reason,
-                "stop_reason": stop_reason,
-                "token_ids": token_ids,
-                "routed_experts": None,
-            }
-        ],
-        "system_fingerprint": "vllm-0.32.0-898fdafa",
-        "usage": {
-            "prompt_tokens": len(PROMPT_IDS),
-            "total_tokens": len(PROMPT_IDS) + len(token_ids),
-            "completion_tokens": len(token_ids),
-            "prompt_tokens_details": None,
-            "completion_tokens_details": None,
-        },
-        "prompt_logprobs": None,
-        "prompt_token_ids": PROMPT_IDS,
-        "prompt_text": None,
-        "kv_transfer_params": None,
-    }
+# A vLLM 0.32 chat completion as §1.2 shows it (return_token_ids + token_id logprobs).
+vllm_chat = functools.partial(vllm_chat_answer, prompt_ids=PROMPT_IDS)
 
 
 def harness_message(completion: dict[str, Any]) -> dict[str, Any]:

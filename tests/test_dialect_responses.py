@@ -7,6 +7,7 @@ completions (§1.2) and are validated with the OpenAI SDK's ``Response`` type.
 from __future__ import annotations
 
 import copy
+import functools
 import json
 from typing import Any
 
@@ -29,6 +30,7 @@ from api.dialects import (
 )
 from api.dialects.responses import ToolOrigin, tool_origins
 from api.extract import strip_chat_response
+from tests.support.vllm import vllm_chat_answer
 
 CHAT_MESSAGES = TypeAdapter(list[ChatCompletionMessageParam])
 PROMPT_IDS = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28]
@@ -109,53 +111,15 @@ def codex_body() -> dict[str, Any]:
     }
 
 
-def vllm_chat(
-    content: str | None,
-    token_ids: list[int],
-    *,
-    finish_reason: str = "stop",
-    tool_calls: list[dict[str, Any]] | None = None,
-    reasoning: str | None = None,
-) -> dict[str, Any]:
-    """A vLLM 0.32 chat completion (§1.2) with inline ids and token_id log-probs."""
-    return {
-        "id": "chatcmpl-9ac3b2",
-        "object": "chat.completion",
-        "created": 1795940059,
-        "model": "smol",
-        "choices": [
-            {
-                "index": 0,
-                "message": {
-                    "role": "assistant",
-                    "content": content,
-                    "refusal": None,
-                    "annotations": None,
-                    "audio": None,
-                    "function_call": None,
-                    "tool_calls": tool_calls or [],
-                    "reasoning": reasoning,
-                },
-                "logprobs": {
-                    "content": [
-                        {"token": f"token_id:{t}", "logprob": -0.5, "bytes": [], "top_logprobs": []}
-                        for t in token_ids
-                    ]
-                },
-                "finish_reason": finish_reason,
-                "stop_reason": None,
-                "token_ids": token_ids,
-            }
-        ],
-        "usage": {
-            "prompt_tokens": len(PROMPT_IDS),
-            "total_tokens": len(PROMPT_IDS) + len(token_ids),
-            "completion_tokens": len(token_ids),
-            "prompt_tokens_details": {"cached_tokens": 8},
-            "completion_tokens_details": {"reasoning_tokens": 3},
-        },
-        "prompt_token_ids": PROMPT_IDS,
-    }
+# A vLLM 0.32 chat completion (§1.2) with inline ids and token_id log-probs.
+vllm_chat = functools.partial(
+    vllm_chat_answer,
+    prompt_ids=PROMPT_IDS,
+    log_probs=-0.5,
+    answer_id="chatcmpl-9ac3b2",
+    prompt_tokens_details={"cached_tokens": 8},
+    completion_tokens_details={"reasoning_tokens": 3},
+)
 
 
 def tool_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:

@@ -34,6 +34,7 @@ from api.extract import (
     tokenize_request_body,
     with_tokenized_prompt,
 )
+from tests.support.vllm import vllm_chat_answer
 
 # SmolLM2 chat template, user "Say hi in three words.", generation prompt (wire-formats §5.2).
 PROMPT_IDS = [
@@ -80,51 +81,13 @@ LOG_PROBS = [-3.0727, -1.2486, -0.0312, -0.5, -0.25, -0.125, -9999.0, -0.0]
 
 def vllm_chat(**overrides: Any) -> dict[str, Any]:
     """The §1.2 answer: inline ids + token_id log-probs, finish_reason length."""
-    answer: dict[str, Any] = {
-        "id": "chatcmpl-a3314b09b486737c",
-        "object": "chat.completion",
-        "created": 1795940059,
-        "model": "smol",
-        "choices": [
-            {
-                "index": 0,
-                "message": {
-                    "role": "assistant",
-                    "content": "Awesome! I'm glad you",
-                    "refusal": None,
-                    "annotations": None,
-                    "audio": None,
-                    "function_call": None,
-                    "tool_calls": [],
-                    "reasoning": None,
-                },
-                "logprobs": {
-                    "content": [
-                        {"token": f"token_id:{t}", "logprob": lp, "bytes": [65], "top_logprobs": []}
-                        for t, lp in zip(GENERATION_IDS, LOG_PROBS, strict=True)
-                    ]
-                },
-                "finish_reason": "length",
-                "stop_reason": None,
-                "token_ids": list(GENERATION_IDS),
-                "routed_experts": None,
-            }
-        ],
-        "system_fingerprint": "vllm-0.32.0-898fdafa",
-        "usage": {
-            "prompt_tokens": 36,
-            "total_tokens": 44,
-            "completion_tokens": 8,
-            "prompt_tokens_details": None,
-            "completion_tokens_details": None,
-        },
-        "prompt_logprobs": None,
-        "prompt_token_ids": list(PROMPT_IDS),
-        "prompt_text": None,
-        "kv_transfer_params": None,
-        "ec_transfer_params": None,
-        "metrics": None,
-    }
+    answer = vllm_chat_answer(
+        "Awesome! I'm glad you",
+        GENERATION_IDS,
+        log_probs=LOG_PROBS,
+        finish_reason="length",
+        prompt_ids=PROMPT_IDS,
+    )
     answer.update(overrides)
     return answer
 

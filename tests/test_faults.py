@@ -37,7 +37,7 @@ import pytest
 from api.app import create_app
 from ledger import migrate
 from ledger.config import load_settings
-from ledger.sim import ByteTokenizer, SimEngine, ThreadedServer
+from rollout_sim import ByteTokenizer, SimEngine, ThreadedServer
 from tests.helpers.fault_harness import Session, check_acks_byte_for_byte, expected_chain, finalize
 from tests.helpers.fault_support import (
     ServeProcess,
@@ -67,6 +67,7 @@ TURNS = 6
 KILL_AFTER_ACKS = 24
 
 
+@pytest.mark.slow
 def test_serve_sigkill_under_load_loses_no_acknowledged_call(
     backend: str, db_url: str, rid: Rid, tmp_path: Path
 ) -> None:

@@ -22,6 +22,7 @@ from ledger.fingerprint import (
     model_authored_contributions,
     model_authored_fingerprint,
 )
+from tests.support.vllm import vllm_chat_answer
 
 
 def chat_conversation() -> list[dict[str, Any]]:
@@ -252,28 +253,15 @@ def test_items_that_are_not_objects_are_type_errors(items: list[Any]) -> None:
 
 
 def vllm_answer(content: str, tool_calls: list[dict[str, Any]]) -> dict[str, Any]:
-    return {
-        "id": "chatcmpl-77",
-        "object": "chat.completion",
-        "created": 1795940059,
-        "model": "smol",
-        "choices": [
-            {
-                "index": 0,
-                "message": {
-                    "role": "assistant",
-                    "content": content,
-                    "tool_calls": tool_calls,
-                    "reasoning": "plan",
-                },
-                "logprobs": {"content": []},
-                "finish_reason": "tool_calls",
-                "token_ids": [],
-            }
-        ],
-        "usage": {"prompt_tokens": 3, "completion_tokens": 0, "total_tokens": 3},
-        "prompt_token_ids": [1, 2, 3],
-    }
+    return vllm_chat_answer(
+        content,
+        [],
+        tool_calls=tool_calls,
+        reasoning="plan",
+        finish_reason="tool_calls",
+        prompt_ids=[1, 2, 3],
+        answer_id="chatcmpl-77",
+    )
 
 
 ANSWER_CALL = {

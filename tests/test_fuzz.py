@@ -55,8 +55,8 @@ from api.extract import (
 )
 from ledger import migrate
 from ledger.config import load_settings
-from ledger.sim import ByteTokenizer, Reply, SimEngine, ThreadedServer
 from ledger.store import Ledger
+from rollout_sim import ByteTokenizer, Reply, SimEngine, ThreadedServer
 from tests.helpers.fault_support import (
     LedgerThread,
     ServerErrors,

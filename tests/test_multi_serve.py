@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,8 @@ from typing import Any
 
 import httpx
 import pytest
+
+from tests.support.net import free_port as _free_port
 
 TOKEN = "multi-serve-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -38,12 +39,6 @@ class Serve:
 
     def output(self) -> str:
         return self.log.read_text(errors="replace")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def _start(db_url: str, log: Path) -> Serve:

@@ -13,8 +13,9 @@ from typing import Any
 import anthropic
 import pytest
 
-from ledger.sim import Reply
+from rollout_sim import Reply
 from tests.proxy_support import Stack, delivered, sampled_chain
+from tests.support.stacks import shared_stack_as_stack  # noqa: F401  (the fixture `stack`)
 
 Rid = Callable[[str], str]
 
@@ -36,12 +37,6 @@ SYSTEM = [
     {"type": "text", "text": "You are a coding agent.", "cache_control": {"type": "ephemeral"}}
 ]
 TOKEN_FIELDS = ("prompt_token_ids", "token_ids", "generation_token_ids", "logprobs", "token_id:")
-
-
-@pytest.fixture
-def stack(shared_stack: Stack) -> Stack:
-    """The session's proxy and engine for this backend (shared, reset for each test)."""
-    return shared_stack
 
 
 def client_for(stack: Stack, rollout_id: str) -> anthropic.Anthropic:

@@ -39,20 +39,15 @@ import ledger.engine
 from api.app import create_app
 from ledger.config import load_settings
 from ledger.errors import Unavailable
-from ledger.sim import ByteTokenizer, SimEngine, ThreadedServer
-from ledger.sim.engine import SimRequest
 from ledger.store import Ledger
+from rollout_sim import ByteTokenizer, SimEngine, ThreadedServer
+from rollout_sim.engine import SimRequest
 from tests.proxy_support import Stack, start_stack
+from tests.support.stacks import shared_stack_as_stack  # noqa: F401  (the fixture `stack`)
 
 Rid = Callable[[str], str]
 HI = [{"role": "user", "content": "hi"}]
 LOCK_WAIT_MS = 150  # how long the proxy's ledger waits for a lock another connection holds
-
-
-@pytest.fixture
-def stack(shared_stack: Stack) -> Stack:
-    """The session's proxy and engine for this backend (shared, reset for each test)."""
-    return shared_stack
 
 
 def oai(stack: Stack, rollout_id: str) -> openai.OpenAI:

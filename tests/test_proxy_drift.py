@@ -19,8 +19,9 @@ import pytest
 from typer.testing import CliRunner
 
 from api.cli import app as cli_app
-from ledger.sim import Reply
+from rollout_sim import Reply
 from tests.proxy_support import Stack
+from tests.support.stacks import shared_stack_as_stack  # noqa: F401  (the fixture `stack`)
 
 Rid = Callable[[str], str]
 TOOL = {
@@ -33,12 +34,6 @@ TOOL = {
         },
     },
 }
-
-
-@pytest.fixture
-def stack(shared_stack: Stack) -> Stack:
-    """The session's proxy and engine for this backend (shared, reset for each test)."""
-    return shared_stack
 
 
 def first_mismatch(parent: dict[str, Any], child: dict[str, Any]) -> int:

@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 
 from api.cli import app as cli_app
 from ledger.config import ConfigError, load_settings
-from ledger.sim import ByteTokenizer, SimEngine
+from rollout_sim import ByteTokenizer, SimEngine
 from tests.proxy_support import Stack, reset, start_stack
 
 Rid = Callable[[str], str]

@@ -15,9 +15,10 @@ import httpx
 import openai
 import pytest
 
-from ledger.sim import Reply, SimEngine
+from rollout_sim import Reply, SimEngine
 from tests.proxy_support import Stack, delivered, sampled_chain, start_stack
 from tests.support.smollm2 import load_smollm2_tokenizer
+from tests.support.stacks import shared_stack_as_stack  # noqa: F401  (the fixture `stack`)
 
 Rid = Callable[[str], str]
 
@@ -42,12 +43,6 @@ RESPONSES_TOOL = {
     "parameters": PARAMS,
     "strict": False,
 }
-
-
-@pytest.fixture
-def stack(shared_stack: Stack) -> Stack:
-    """The session's proxy and engine for this backend (shared, reset for each test)."""
-    return shared_stack
 
 
 def client_for(stack: Stack, rollout_id: str) -> openai.OpenAI:

@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 from api.cli import app as cli_app
 from api.prefix import PrefixPlan, _missing_closing
 from ledger.config import ConfigError, load_settings
-from ledger.sim import ByteTokenizer, SimEngine
+from rollout_sim import ByteTokenizer, SimEngine
 from tests.proxy_support import Stack, delivered, reset, sampled_chain, start_stack
 
 Rid = Callable[[str], str]

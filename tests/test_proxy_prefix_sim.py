@@ -14,7 +14,7 @@ from typing import Any
 import httpx
 import pytest
 
-from ledger.sim import ByteTokenizer, SimEngine
+from rollout_sim import ByteTokenizer, SimEngine
 
 TOK = ByteTokenizer()
 USER = [{"role": "user", "content": "hi"}]

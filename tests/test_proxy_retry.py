@@ -21,7 +21,7 @@ import pytest
 
 from api.app import create_app
 from ledger.config import load_settings
-from ledger.sim import ByteTokenizer, SimEngine, ThreadedServer
+from rollout_sim import ByteTokenizer, SimEngine, ThreadedServer
 from tests.proxy_support import RecordingTransport, Stack, delivered, sampled_chain
 
 Rid = Callable[[str], str]

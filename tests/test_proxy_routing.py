@@ -14,7 +14,6 @@ import contextlib
 import gzip
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -29,8 +28,10 @@ from starlette.responses import Response
 
 from ledger import migrate
 from ledger.config import load_settings
-from ledger.sim import ByteTokenizer, SimEngine, ThreadedServer
+from rollout_sim import ByteTokenizer, SimEngine, ThreadedServer
 from tests.proxy_support import Stack
+from tests.support.net import free_port as _free_port
+from tests.support.stacks import shared_stack_as_stack  # noqa: F401  (the fixture `stack`)
 
 Rid = Callable[[str], str]
 CHAT_BODY: dict[str, Any] = {"model": "smol", "messages": [{"role": "user", "content": "hi"}]}
@@ -38,19 +39,7 @@ CAPTURE_FIELDS = ("logprobs", "return_token_ids", "return_tokens_as_token_ids")
 CLI = Path(sys.executable).with_name("rollout-ledger")
 
 
-@pytest.fixture
-def stack(shared_stack: Stack) -> Stack:
-    """The session's proxy and engine for this backend (shared, reset for each test)."""
-    return shared_stack
-
-
 # --------------------------------------------------------------------------- serve
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @contextlib.contextmanager

@@ -30,7 +30,7 @@ from ledger.delivery import finalize_rollout_token_capture, retire_rollout_token
 from ledger.errors import AccessDenied, PayloadConflict, RolloutFrozen, RolloutRetired, Unavailable
 from ledger.gym import CaptureLineageStore, CaptureSink, CaptureSource
 from ledger.records import TokenEntry
-from ledger.sim import ThreadedServer
+from rollout_sim import ThreadedServer
 from tests.test_gym_conformance import VersionBlindSource
 
 Rid = Callable[[str], str]

@@ -26,7 +26,7 @@ from schemathesis.specs.openapi.checks import (
 
 from api.app import create_app
 from ledger.config import load_settings, parse_tokens
-from ledger.sim import ThreadedServer
+from rollout_sim import ThreadedServer
 
 AUTH = {"Authorization": "Bearer fuzz-admin"}
 EXAMPLES = 12

@@ -19,7 +19,7 @@ import uvicorn
 from typer.testing import CliRunner
 
 from api.cli import app
-from ledger.sim import ThreadedServer
+from rollout_sim import ThreadedServer
 
 
 @dataclass

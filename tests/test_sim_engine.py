@@ -18,7 +18,7 @@ from typing import Any
 import httpx
 import pytest
 
-from ledger.sim import (
+from rollout_sim import (
     ByteTokenizer,
     Reply,
     SimEngine,
@@ -27,7 +27,7 @@ from ledger.sim import (
     create_sim_vllm_app,
     engine_of,
 )
-from ledger.sim.engine import Tokenizer
+from rollout_sim.engine import Tokenizer
 from tests.support import parse_sse, reassemble
 from tests.support.smollm2 import REFERENCE_PROMPT_IDS, load_smollm2_tokenizer
 

@@ -26,13 +26,16 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from ledger.delivery import finalize_rollout_token_capture
-from ledger.sim import ByteTokenizer, SimEngine, ThreadedServer
 from ledger.store import Ledger
+from rollout_sim import ByteTokenizer, SimEngine, ThreadedServer
 from tests.helpers.fault_harness import Session, check_acks_byte_for_byte, expected_chain
 from tests.helpers.fault_support import ServeProcess, UpstreamTap, half_written, run_async
 from tests.proxy_support import delivered
+
+pytestmark = pytest.mark.slow  # deselect on a laptop with -m 'not slow'; CI runs it
 
 Rid = Callable[[str], str]
 CONCURRENCY = 64

@@ -8,6 +8,7 @@ validated against the SDKs' event types, and the framing is checked byte by byte
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -32,6 +33,7 @@ from api.dialects import (
     responses_sse,
 )
 from api.extract import strip_chat_response, strip_completion_response
+from tests.support.vllm import vllm_chat_answer
 
 RESPONSES_EVENT = TypeAdapter(ResponseStreamEvent)
 ANTHROPIC_EVENT = TypeAdapter(RawMessageStreamEvent)
@@ -39,52 +41,8 @@ TOKEN_MARKERS = ("token_ids", "prompt_token_ids", "token_id:", "generation_log_p
 PROMPT_IDS = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28]
 
 
-def vllm_chat(
-    content: str | None,
-    token_ids: list[int],
-    *,
-    finish_reason: str = "stop",
-    tool_calls: list[dict[str, Any]] | None = None,
-    reasoning: str | None = None,
-) -> dict[str, Any]:
-    """A vLLM 0.32 chat completion (wire-formats §1.2)."""
-    return {
-        "id": "chatcmpl-a3314b09b486737c",
-        "object": "chat.completion",
-        "created": 1795940059,
-        "model": "smol",
-        "choices": [
-            {
-                "index": 0,
-                "message": {
-                    "role": "assistant",
-                    "content": content,
-                    "refusal": None,
-                    "annotations": None,
-                    "audio": None,
-                    "function_call": None,
-                    "tool_calls": tool_calls or [],
-                    "reasoning": reasoning,
-                },
-                "logprobs": {
-                    "content": [
-                        {"token": f"token_id:{t}", "logprob": -1.5, "bytes": [], "top_logprobs": []}
-                        for t in token_ids
-                    ]
-                },
-                "finish_reason": finish_reason,
-                "stop_reason": None,
-                "token_ids": token_ids,
-            }
-        ],
-        "system_fingerprint": "vllm-0.32.0-898fdafa",
-        "usage": {
-            "prompt_tokens": len(PROMPT_IDS),
-            "total_tokens": len(PROMPT_IDS) + len(token_ids),
-            "completion_tokens": len(token_ids),
-        },
-        "prompt_token_ids": PROMPT_IDS,
-    }
+# A vLLM 0.32 chat completion (wire-formats §1.2) on this module's prompt.
+vllm_chat = functools.partial(vllm_chat_answer, prompt_ids=PROMPT_IDS, log_probs=-1.5)
 
 
 def vllm_text_completion() -> dict[str, Any]:

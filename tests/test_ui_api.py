@@ -14,7 +14,6 @@ import itertools
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ from api.ui.tokens import TokenizerError, load_tokenizer
 from ledger.config import load_settings, parse_tokens
 from ledger.store import Ledger
 from tests.helpers.ui_seed import seed_delivered, seed_masked_drift
+from tests.support.net import free_port as _free_port
 
 Rid = Callable[[str], str]
 AUDIT = {"Authorization": "Bearer aud-token"}
@@ -303,13 +303,6 @@ async def test_drift_tokens_are_decoded_with_a_real_tokenizer(
 
 
 # --------------------------------------------------------------------------- `ui` command
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _cli() -> list[str]:

@@ -29,8 +29,8 @@ import openai
 import pytest
 
 from ledger import migrate
-from ledger.sim import SimEngine
 from ledger.store import Ledger
+from rollout_sim import SimEngine
 from tests.helpers.ui_seed import first_mismatch, seed_delivered, seed_masked_drift
 from tests.proxy_support import Stack, start_stack
 from tests.support.smollm2 import cache_dir, load_smollm2_tokenizer

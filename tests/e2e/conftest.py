@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import httpx
 import pytest
 
-from ledger.sim import ThreadedServer
+from rollout_sim import ThreadedServer
 from tests.e2e.harness import (
     MODEL,
     PG_URL,

@@ -39,7 +39,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -60,6 +59,7 @@ from starlette.routing import Route
 
 from ledger.client import RemoteLedger
 from ledger.delivery import finalize_rollout_token_capture
+from tests.support.net import free_port
 
 VLLM_URL = os.environ.get("ROLLOUT_LEDGER_VLLM_URL", "").rstrip("/")
 PG_URL = os.environ.get("ROLLOUT_LEDGER_TEST_PG_URL", "")
@@ -272,12 +272,6 @@ class Proxy:
             return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
         except OSError:
             return "(no log)"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def cli() -> list[str]:

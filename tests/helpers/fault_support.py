@@ -24,7 +24,6 @@ import logging
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,7 @@ import sqlalchemy as sa
 
 from ledger.store import Ledger
 from ledger.tables import Base
+from tests.support.net import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 GENERATING_PATHS = ("/v1/chat/completions", "/v1/completions")
@@ -49,12 +49,6 @@ Message = dict[str, Any]
 
 
 # --------------------------------------------------------------------------- small utilities
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def poll(

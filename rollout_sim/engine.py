@@ -10,6 +10,11 @@ callable, or a seeded word-salad policy. Sampled ids are always
 Faults (HTTP 500, hangs, dropped streams, missing or malformed token payloads) are
 queued at run time on `SimEngine.faults`; every request received is kept in
 `SimEngine.requests`.
+
+Over 600 lines on purpose, for now: every route (chat, completions, tokenize, models) is a
+method of the one `SimEngine`, sharing its sampler, fault queue and request log; splitting it
+into per-route mixins waits until branches still editing the pre-move `ledger/sim/engine.py`
+have been merged onto this file (a pure rename lets git carry their edits here).
 """
 
 from __future__ import annotations
@@ -34,9 +39,9 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from ledger.sim.chat import assistant_text, has_non_text_content, message_text
-from ledger.sim.faults import Fault, FaultKind, Faults, SimulatedDisconnect
-from ledger.sim.params import (
+from rollout_sim.chat import assistant_text, has_non_text_content, message_text
+from rollout_sim.faults import Fault, FaultKind, Faults, SimulatedDisconnect
+from rollout_sim.params import (
     CHAT_ROUTE,
     COMPLETIONS_ROUTE,
     ApiError,
@@ -46,8 +51,8 @@ from ledger.sim.params import (
     opt_int,
     tool_mode_of,
 )
-from ledger.sim.parsers import ToolMode, parse_output
-from ledger.sim.stream import Sample, Step, interleave, json_response, sse, text_offsets
+from rollout_sim.parsers import ToolMode, parse_output
+from rollout_sim.stream import Sample, Step, interleave, json_response, sse, text_offsets
 
 __all__ = [
     "VLLM_VERSION",

@@ -7,7 +7,7 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Literal
 
-from ledger.sim.params import GENERATING_ROUTES
+from rollout_sim.params import GENERATING_ROUTES
 
 FaultKind = Literal["http_500", "hang", "drop", "stream_error", "no_token_ids", "malformed_tokens"]
 

@@ -9,11 +9,11 @@ from typing import TYPE_CHECKING, Any
 
 from starlette.responses import Response, StreamingResponse
 
-from ledger.sim.faults import Fault, SimulatedDisconnect
-from ledger.sim.parsers import ParsedOutput
+from rollout_sim.faults import Fault, SimulatedDisconnect
+from rollout_sim.parsers import ParsedOutput
 
 if TYPE_CHECKING:
-    from ledger.sim.engine import Tokenizer
+    from rollout_sim.engine import Tokenizer
 
 
 @dataclass(frozen=True)

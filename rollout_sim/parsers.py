@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from ledger.sim.chat import THINK_CLOSE, THINK_OPEN, TOOL_CALL_OPEN
+from rollout_sim.chat import THINK_CLOSE, THINK_OPEN, TOOL_CALL_OPEN
 
 ToolMode = Literal["none", "auto", "required", "named"]
 Span = tuple[int, int]

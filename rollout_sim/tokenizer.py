@@ -13,7 +13,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from ledger.sim.chat import assistant_text, message_text
+from rollout_sim.chat import assistant_text, message_text
 
 SPECIAL_TOKENS: dict[str, int] = {"<|endoftext|>": 0, "<|im_start|>": 1, "<|im_end|>": 2}
 BYTE_OFFSET = 16
@@ -33,7 +33,7 @@ _TOOLS_FOOTER = (
 
 
 class ByteTokenizer:
-    """Implements `ledger.sim.engine.Tokenizer` without any third-party package."""
+    """Implements `rollout_sim.engine.Tokenizer` without any third-party package."""
 
     eos_id: int = SPECIAL_TOKENS["<|im_end|>"]
     vocab_size: int = BYTE_OFFSET + 256

@@ -2,7 +2,7 @@
 
 Usage::
 
-    from ledger.sim import ByteTokenizer, SimEngine
+    from rollout_sim import ByteTokenizer, SimEngine
 
     engine = SimEngine(ByteTokenizer(), model_name="smol", max_model_len=2048)
     engine.script("Hello there.")                      # next reply, exact text
@@ -11,7 +11,7 @@ Usage::
     app = engine.app                                   # ASGI app (httpx.ASGITransport, uvicorn)
 """
 
-from ledger.sim.engine import (
+from rollout_sim.engine import (
     VLLM_VERSION,
     Fault,
     FaultKind,
@@ -27,8 +27,8 @@ from ledger.sim.engine import (
     create_sim_vllm_app,
     engine_of,
 )
-from ledger.sim.server import ThreadedServer
-from ledger.sim.tokenizer import ByteTokenizer
+from rollout_sim.server import ThreadedServer
+from rollout_sim.tokenizer import ByteTokenizer
 
 __all__ = [
     "VLLM_VERSION",
