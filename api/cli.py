@@ -72,7 +72,7 @@ def _register(app: typer.Typer) -> None:
         from api.app import create_app
         from api.server import serve_problem, uvicorn_options
         from ledger import migrate
-        from ledger.cli import check_db_url
+        from ledger.cli_db import check_db_url
         from ledger.config import ConfigError, load_settings
         from ledger.redact import redact_url
 
@@ -199,7 +199,7 @@ def _register(app: typer.Typer) -> None:
         from api.demo import run_demo
 
         if db is not None:
-            from ledger.cli import check_db_url
+            from ledger.cli_db import check_db_url
 
             check_db_url(db)
         result = run_demo(db)

@@ -16,6 +16,7 @@ import typer
 from rich.console import Console
 from typer.core import TyperGroup
 
+from ledger.cli_db import check_db_url, open_ledger
 from ledger.cli_errors import fail, run_cli
 
 # ``ledger.engine.DEFAULT_DB_URL`` (pinned equal by tests/test_cli.py), without importing
@@ -117,33 +118,6 @@ def _fail(message: str, code: int = 2) -> typer.Exit:
         fail(message, code)
     except typer.Exit as exc:
         return exc
-
-
-def check_db_url(db: str, *, allow_http: bool = False) -> str:
-    """Refuse a URL that cannot be a ledger, in one line; returns it unchanged."""
-    if allow_http and db.startswith(("http://", "https://")):
-        return db
-    from sqlalchemy.exc import ArgumentError
-
-    from ledger.cli_errors import URL_FORMS
-    from ledger.engine import normalize_url
-
-    try:
-        normalize_url(db)
-    except ArgumentError:
-        also = " or the http(s):// URL of a ledger service" if allow_http else ""
-        fail(f"--db {db!r} is not a database URL: use {URL_FORMS}{also}")
-    except ValueError as exc:
-        fail(str(exc))
-    return db
-
-
-def open_ledger(db: str) -> Any:
-    """A ``Ledger`` over an existing ledger only: never creates or migrates (``NoLedger``)."""
-    from ledger.store import Ledger
-
-    check_db_url(db)
-    return Ledger(db, check_schema=True)
 
 
 @db_app.command("upgrade")

@@ -144,7 +144,7 @@ class _LocalAudit:
     """Audit queries straight from a database (never creates or migrates it)."""
 
     def __init__(self, db: str) -> None:
-        from ledger.cli import open_ledger
+        from ledger.cli_db import open_ledger
 
         self._ledger = open_ledger(db)
 
@@ -267,7 +267,7 @@ def _audit_source(db: str, token: str | None) -> Any:
 
 
 def _run(db: str, token: str | None, body: Any) -> Any:
-    from ledger.cli import check_db_url
+    from ledger.cli_db import check_db_url
 
     check_db_url(db, allow_http=True)
 
@@ -422,7 +422,7 @@ def register(app: typer.Typer) -> None:
         stops (exit 3) when the mask-fraction guard fires.  Re-run it with the same arguments
         to resume: written rows are kept, the rest are processed.
         """
-        from ledger.cli import check_db_url
+        from ledger.cli_db import check_db_url
         from ledger.collect import CollectAborted, CollectFailed, CollectRefused, check_paths
         from ledger.config import ConfigError, load_settings
 
