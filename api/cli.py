@@ -95,6 +95,8 @@ def _register(app: typer.Typer) -> None:
             port=settings.port,
             log_level=log_level,
             access_log=False,
+            # The C parser (a dependency); h11 only if it is missing from the environment.
+            http="httptools" if _has_httptools() else "h11",
         )
 
     @app.command("demo")
@@ -109,6 +111,12 @@ def _register(app: typer.Typer) -> None:
         result = run_demo(db)
         if result.get("mask_sample"):
             raise typer.Exit(1)
+
+
+def _has_httptools() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("httptools") is not None
 
 
 _register(app)
