@@ -187,8 +187,8 @@ class Ledger:
         self._group = _GroupCommit(self) if group_commit else None
         # Digest state of each rollout's latest calls: continuations hash only their suffix.
         self._tips = TipCache()
-        # Postgres hot path: asyncpg directly (prepared statements), one pool per event loop.
-        self._pool: Any = None
+        # Postgres hot path: asyncpg directly (prepared statements), pools per event loop.
+        self._pools: dict[bool, Any] = {}
         self._pool_loop: asyncio.AbstractEventLoop | None = None
         self._pool_lock = asyncio.Lock()
 
@@ -199,13 +199,12 @@ class Ledger:
         await self.engine.dispose()
 
     async def _close_pool(self) -> None:
-        pool, self._pool = self._pool, None
-        if pool is None:
-            return
-        if self._pool_loop is asyncio.get_running_loop():
-            await pool.close()
-        else:
-            pool.terminate()
+        pools, self._pools = self._pools, {}
+        for pool in pools.values():
+            if self._pool_loop is asyncio.get_running_loop():
+                await pool.close()
+            else:
+                pool.terminate()
 
     async def ensure_schema(self) -> None:
         """Migrate the database to head once per process (guarded against concurrent runs)."""
@@ -250,23 +249,30 @@ class Ledger:
         async with self._write() as aconn:
             return await aconn.run_sync(body)
 
-    async def _run_steps(self, make: Callable[[], ingest.Steps], *, flush: bool = True) -> Any:
-        """Run one hot-path operation (``ledger.storage.ingest``) in one write transaction:
-        SQLite in the group-commit writer, Postgres through asyncpg; returns after the commit
-        (``flush=False``: after a commit that need not wait for its own flush)."""
+    async def _run_steps(
+        self, make: Callable[[bool], ingest.Steps], *, flush: bool = True, single: bool = False
+    ) -> Any:
+        """Run one hot-path operation (``ledger.storage.ingest``) and return after its commit
+        (``flush=False``: a commit that need not wait for its own flush).
+
+        SQLite: one write transaction in the group-commit writer.  Postgres: asyncpg with its
+        statements folded (``make(True)``), in one transaction, or (``single``: an operation
+        whose every statement is atomic on its own) in autocommit, one round trip per statement.
+        """
         if self.dialect == "sqlite":
             return await self._transact(
-                lambda conn: ingest.run_sqlite(conn.connection.dbapi_connection, make()),
+                lambda conn: ingest.run_sqlite(conn.connection.dbapi_connection, make(False)),
                 flush=flush,
             )
         if self.auto_migrate and not self._schema_ready:
             await self.ensure_schema()
-        pool = await self._pg_pool()
+        pool = await self._pg_pool(lazy=not flush)
         try:
-            async with pool.acquire() as conn, conn.transaction():
-                if not flush:
-                    await conn.execute("SET LOCAL synchronous_commit = off")
-                return await ingest.run_postgres(conn, make())
+            async with pool.acquire() as conn:
+                if single:
+                    return await ingest.run_postgres(conn, make(True))
+                async with conn.transaction():
+                    return await ingest.run_postgres(conn, make(True))
         except LedgerError:
             raise
         except Exception as exc:
@@ -275,36 +281,40 @@ class Ledger:
                 raise
             raise translated from exc
 
-    async def _pg_pool(self) -> Any:
+    async def _pg_pool(self, *, lazy: bool = False) -> Any:
+        """The asyncpg pool of this event loop; ``lazy``: its sessions commit without waiting
+        for the WAL flush (``synchronous_commit=off``), for intents."""
         loop = asyncio.get_running_loop()
-        if self._pool is not None and self._pool_loop is loop:
-            return self._pool
-        async with self._pool_lock:
-            if self._pool is None or self._pool_loop is not loop:
-                import asyncpg
+        if self._pool_loop is not loop or lazy not in self._pools:
+            async with self._pool_lock:
+                if self._pool_loop is not loop:
+                    for stale in self._pools.values():
+                        stale.terminate()
+                    self._pools = {}
+                    self._pool_loop = loop
+                if lazy not in self._pools:
+                    self._pools[lazy] = await self._new_pool(lazy)
+        return self._pools[lazy]
 
-                from ledger.engine import PG_LOCK_TIMEOUT_MS, PG_STATEMENT_TIMEOUT_MS
+    async def _new_pool(self, lazy: bool) -> Any:
+        import asyncpg
 
-                if self._pool is not None:
-                    self._pool.terminate()
-                dsn = self.engine.url.set(drivername="postgresql").render_as_string(
-                    hide_password=False
-                )
-                try:
-                    self._pool = await asyncpg.create_pool(
-                        dsn,
-                        min_size=1,
-                        max_size=10,
-                        server_settings={
-                            "lock_timeout": str(PG_LOCK_TIMEOUT_MS),
-                            "statement_timeout": str(PG_STATEMENT_TIMEOUT_MS),
-                            "application_name": "rollout-ledger",
-                        },
-                    )
-                except Exception as exc:
-                    raise Unavailable(f"ledger database unavailable: {exc}") from exc
-                self._pool_loop = loop
-        return self._pool
+        from ledger.engine import PG_LOCK_TIMEOUT_MS, PG_STATEMENT_TIMEOUT_MS
+
+        settings = {
+            "lock_timeout": str(PG_LOCK_TIMEOUT_MS),
+            "statement_timeout": str(PG_STATEMENT_TIMEOUT_MS),
+            "application_name": "rollout-ledger",
+        }
+        if lazy:
+            settings["synchronous_commit"] = "off"
+        dsn = self.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+        try:
+            return await asyncpg.create_pool(
+                dsn, min_size=1, max_size=4 if lazy else 10, server_settings=settings
+            )
+        except Exception as exc:
+            raise Unavailable(f"ledger database unavailable: {exc}") from exc
 
     def _now(self) -> Any:
         return ingest.sqlite_now() if self.dialect == "sqlite" else utcnow()
@@ -391,8 +401,11 @@ class Ledger:
 
         now = self._now()
         created: bool = await self._run_steps(
-            lambda: ingest.begin_call_steps(rollout_id, model_call_id, route, model or "", now),
+            lambda folded: ingest.begin_call_steps(
+                rollout_id, model_call_id, route, model or "", now, folded=folded
+            ),
             flush=self.flush_intents,
+            single=True,
         )
         return created
 
@@ -439,13 +452,14 @@ class Ledger:
             prep = ingest.prepare(entry, self._tips)
         now = self._now()
         out: ingest.Outcome = await self._run_steps(
-            lambda: ingest.put_steps(
+            lambda folded: ingest.put_steps(
                 prep,
                 route=route,
                 request_fingerprint=request_fingerprint,
                 continuation_fingerprint=continuation_fingerprint,
                 delta_records=self.delta_records,
                 now=now,
+                folded=folded,
             )
         )
         if out.deferred is not None:
