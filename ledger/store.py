@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import queue
 import re
 import threading
@@ -1014,15 +1015,19 @@ class _GroupCommit:
     """Group commit for SQLite (design §8): concurrent writes share one durable commit.
 
     One writer thread owns a synchronous SQLite connection.  It takes every write queued while
-    the previous commit was in flight, runs them in one ``BEGIN IMMEDIATE`` transaction, commits
-    once (one fsync under ``synchronous=FULL``) and only then acknowledges each caller on its
-    event loop.  Writes that need no flush of their own (intents: the call's flushed record
-    makes them durable) go first, in their own commit without a flush.  A write that raises
-    before changing anything (a refusal) just fails; one that raises after changing rows rolls
-    the batch back, which then runs again with one SAVEPOINT per write, so a failing write never
-    takes another's changes with it; a failed commit fails every write of the batch.  Nothing
-    is acknowledged before its commit.  The thread also keeps SQL off the event loop, one
-    hand-off per batch instead of one per statement.
+    the previous batch was in flight and runs them in one ``BEGIN IMMEDIATE`` transaction.  A
+    write that raises before changing anything (a refusal) just fails; one that raises after
+    changing rows rolls the batch back, which then runs again with one SAVEPOINT per write, so
+    a failing write never takes another's changes with it; a failed commit fails every write of
+    the batch.  Nothing is acknowledged before its commit.
+
+    Flushing is pipelined: the connection commits with ``synchronous=NORMAL`` (the WAL frames
+    are written, and readable, but not yet flushed) and a flusher thread then ``fdatasync``s
+    the WAL file, which is exactly the flush ``synchronous=FULL`` would do inside the commit,
+    while the writer already runs the next batch.  A write that promises durability is
+    acknowledged only after a flush that began after its commit; one that does not need its own
+    flush (an intent: the call's flushed record carries it) is acknowledged at its commit.  The
+    WAL is checkpointed into the database with its own flushes, as under ``NORMAL``.
     """
 
     MAX_BATCH = 256
@@ -1030,10 +1035,12 @@ class _GroupCommit:
     def __init__(self, ledger: Ledger) -> None:
         self.ledger = ledger
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._flushes: queue.SimpleQueue[list[_Outcome] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._flusher: threading.Thread | None = None
         self._start_lock = threading.Lock()
         self._engine: Engine | None = None
-        self._mode = "FULL"  # the writer connection's PRAGMA synchronous (engine.py sets FULL)
+        self._db_path = os.path.abspath(str(ledger.engine.url.database or ""))
 
     async def submit(self, body: Callable[[Connection], _T], *, flush: bool = True) -> _T:
         self._ensure_thread()
@@ -1051,15 +1058,22 @@ class _GroupCommit:
                 self._thread = threading.Thread(
                     target=self._run, name="rollout-ledger-writer", daemon=True
                 )
+                self._flusher = threading.Thread(
+                    target=self._flush_loop, name="rollout-ledger-flusher", daemon=True
+                )
+                self._flusher.start()
                 self._thread.start()
 
     async def close(self) -> None:
-        thread = self._thread
+        thread, flusher = self._thread, self._flusher
         if thread is None:
             return
         self._queue.put(None)
         await asyncio.to_thread(thread.join)
-        self._thread = None
+        if flusher is not None:
+            self._flushes.put(None)
+            await asyncio.to_thread(flusher.join)
+        self._thread = self._flusher = None
         if self._engine is not None:
             self._engine.dispose()
             self._engine = None
@@ -1085,25 +1099,15 @@ class _GroupCommit:
                 return
 
     def _commit(self, batch: list[_Job]) -> None:
-        """Commit the batch: first the writes that need no flush of their own (intents), so
-        they never wait for another write's flush, then the rest with one flush."""
-        lazy = [job for job in batch if not job[3]]
-        if lazy and len(lazy) < len(batch):
-            self._commit_one(lazy, flush=False)
-            self._commit_one([job for job in batch if job[3]], flush=True)
-        else:
-            self._commit_one(batch, flush=not lazy)
-
-    def _commit_one(self, batch: list[_Job], *, flush: bool) -> None:
-        """Run the jobs in one transaction without savepoints; a write that fails after it
-        changed something makes the whole transaction roll back and run again with one savepoint
-        per write (so each write still succeeds or fails alone)."""
+        """Run the batch in one transaction without savepoints; a write that fails after it
+        changed something makes the whole transaction roll back and run again with one
+        savepoint per write (so each write still succeeds or fails alone)."""
         assert self._engine is not None
-        outcomes: list[tuple[_Job, Any, BaseException | None]] = []
+        outcomes: list[_Outcome] = []
         try:
             with self._engine.connect() as conn:
                 dbapi: Any = conn.connection.dbapi_connection
-                self._synchronous(dbapi, flush)
+                self._unflushed_commits(dbapi)
                 with conn.begin():
                     self._run_batch(conn, dbapi, batch, outcomes)
         except _Replay:
@@ -1114,22 +1118,16 @@ class _GroupCommit:
             for job in batch:
                 _resolve(job, None, failure)
             return
-        for job, value, error in outcomes:
-            _resolve(job, value, error)
+        self._committed(outcomes)
 
-    def _synchronous(self, dbapi: Any, flush: bool) -> None:
-        """FULL (the commit waits for its flush) unless no write of the batch needs one."""
-        mode = "FULL" if flush else "NORMAL"
-        if self._mode != mode:
-            dbapi.execute(f"PRAGMA synchronous={mode}")
-            self._mode = mode
+    @staticmethod
+    def _unflushed_commits(dbapi: Any) -> None:
+        # Idempotent and cheap (no I/O); the engine's connect hook sets FULL.
+        dbapi.execute("PRAGMA synchronous=NORMAL")
 
     @staticmethod
     def _run_batch(
-        conn: Connection,
-        dbapi: Any,
-        batch: list[_Job],
-        outcomes: list[tuple[_Job, Any, BaseException | None]],
+        conn: Connection, dbapi: Any, batch: list[_Job], outcomes: list[_Outcome]
     ) -> None:
         for job in batch:
             changes = dbapi.total_changes
@@ -1143,7 +1141,7 @@ class _GroupCommit:
 
     def _commit_with_savepoints(self, batch: list[_Job]) -> None:
         assert self._engine is not None
-        outcomes: list[tuple[_Job, Any, BaseException | None]] = []
+        outcomes: list[_Outcome] = []
         try:
             with self._engine.begin() as conn:
                 for job in batch:
@@ -1157,16 +1155,72 @@ class _GroupCommit:
             for job in batch:
                 _resolve(job, None, failure)
             return
-        for job, value, error in outcomes:
-            _resolve(job, value, error)
+        self._committed(outcomes)
 
+    def _committed(self, outcomes: list[_Outcome]) -> None:
+        """Acknowledge what needs no flush now; hand the rest to the flusher."""
+        waiting: list[_Outcome] = []
+        for out in outcomes:
+            job, _value, error = out
+            if job[3] and error is None:
+                waiting.append(out)
+            else:
+                _resolve(*out)
+        if waiting:
+            self._flushes.put(waiting)
 
-class _Replay(Exception):
-    """A write failed after changing rows: roll the batch back and rerun it with savepoints."""
+    def _flush_loop(self) -> None:
+        while True:
+            first = self._flushes.get()
+            if first is None:
+                return
+            waiting = list(first)
+            stop = False
+            while True:
+                try:
+                    more = self._flushes.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    stop = True
+                    break
+                waiting += more
+            try:
+                self._flush_wal()
+            except OSError as exc:
+                failure = Unavailable(f"ledger database unavailable: flush failed: {exc}")
+                for job, _value, _error in waiting:
+                    _resolve(job, None, failure)
+            else:
+                for out in waiting:
+                    _resolve(*out)
+            if stop:
+                return
+
+    def _flush_wal(self) -> None:
+        """``fdatasync`` the WAL (what a ``synchronous=FULL`` commit does); when there is no WAL
+        file (checkpointed and removed), the database file holds the commits: flush it."""
+        for path in (self._db_path + "-wal", self._db_path):
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
+            return
 
 
 # (body, future, the caller's loop, whether its commit must wait for the flush)
 _Job = tuple[Callable[[Connection], Any], "asyncio.Future[Any]", asyncio.AbstractEventLoop, bool]
+
+
+_Outcome = tuple[_Job, Any, BaseException | None]
+
+
+class _Replay(Exception):
+    """A write failed after changing rows: roll the batch back and rerun it with savepoints."""
 
 
 def _resolve(job: _Job, value: Any, error: BaseException | None) -> None:
