@@ -1031,13 +1031,16 @@ class _GroupCommit:
     """
 
     MAX_BATCH = 256
+    # Flusher threads: while one flush is in flight, another can start for later commits, so a
+    # durable write waits for about one flush, not for the one in flight and then its own.
+    FLUSHERS = 2
 
     def __init__(self, ledger: Ledger) -> None:
         self.ledger = ledger
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
         self._flushes: queue.SimpleQueue[list[_Outcome] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
-        self._flusher: threading.Thread | None = None
+        self._flushers: list[threading.Thread] = []
         self._start_lock = threading.Lock()
         self._engine: Engine | None = None
         self._db_path = os.path.abspath(str(ledger.engine.url.database or ""))
@@ -1058,22 +1061,27 @@ class _GroupCommit:
                 self._thread = threading.Thread(
                     target=self._run, name="rollout-ledger-writer", daemon=True
                 )
-                self._flusher = threading.Thread(
-                    target=self._flush_loop, name="rollout-ledger-flusher", daemon=True
-                )
-                self._flusher.start()
+                self._flushers = [
+                    threading.Thread(
+                        target=self._flush_loop, name=f"rollout-ledger-flusher-{i}", daemon=True
+                    )
+                    for i in range(self.FLUSHERS)
+                ]
+                for flusher in self._flushers:
+                    flusher.start()
                 self._thread.start()
 
     async def close(self) -> None:
-        thread, flusher = self._thread, self._flusher
+        thread, flushers = self._thread, self._flushers
         if thread is None:
             return
         self._queue.put(None)
         await asyncio.to_thread(thread.join)
-        if flusher is not None:
+        for _ in flushers:
             self._flushes.put(None)
+        for flusher in flushers:
             await asyncio.to_thread(flusher.join)
-        self._thread = self._flusher = None
+        self._thread, self._flushers = None, []
         if self._engine is not None:
             self._engine.dispose()
             self._engine = None
