@@ -349,11 +349,22 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--build-every", action="store_true", help="build in every repetition")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=RESULTS / "gymcmp.json")
+    ap.add_argument(
+        "--docs",
+        type=Path,
+        default=None,
+        help="also write DOCS/performance.md and its plots (docs/ for the published page)",
+    )
     args = ap.parse_args(argv)
     args.backends = [b for b in args.backends.split(",") if b]
     out = asyncio.run(run(args))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1, default=str) + "\n")
+    if args.docs is not None:
+        from bench import gymreport
+
+        gymreport.write(out, args.docs)
+        print(f"wrote {args.docs / 'performance.md'}", file=sys.stderr)
     r = out["ratios"]
     for b in args.backends:
         s = r[b]["ratio_vs_gym_best"]
