@@ -363,6 +363,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.docs is not None:
         from bench import gymreport
 
+        before = RESULTS / "gymcmp-before.json"
+        if before.exists():
+            out["before"] = json.loads(before.read_text())
         gymreport.write(out, args.docs)
         print(f"wrote {args.docs / 'performance.md'}", file=sys.stderr)
     r = out["ratios"]

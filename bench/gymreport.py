@@ -191,6 +191,26 @@ def render(g: dict[str, Any], pngs: list[str]) -> str:
                 ]
             )
     add(_table(["target", "goal", "measured", ""], rows))
+    before = g.get("before")
+    if before:
+        add(
+            "\nBefore this rework (same benchmark, `bench/results/gymcmp-before.json`, "
+            f"{before['generated']}, {len(before['reps'])} repetitions):\n"
+        )
+        brows = []
+        for b in ("sqlite", "postgres"):
+            if b in before["ratios"] and b in r:
+                was, now = before["ratios"][b], r[b]
+                brows.append(
+                    [
+                        SIDES[b],
+                        spread(was["ratio_vs_gym_best"]),
+                        spread(now["ratio_vs_gym_best"]),
+                        f"{_f(was['cpu_ms_per_call']['median'])} -> "
+                        f"{_f(now['cpu_ms_per_call']['median'])}",
+                    ]
+                )
+        add(_table(["", "calls/s vs Gym's best, before", "after", "CPU ms/call (median)"], brows))
     add(
         "\nProxy overhead (<= 5 ms p50 at 16k-token prompts, <= 2 ms above a bare pass-through) "
         "is not measured by this run; see `docs/performance-detail.md`.\n"

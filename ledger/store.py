@@ -863,7 +863,10 @@ class Ledger:
             )
             return True
 
-        return await self._transact(body)
+        retired = await self._transact(body)
+        if retired:
+            self._tips.forget(rollout_id)
+        return retired
 
     async def delete_rollout(self, rollout_id: str) -> bool:
         """Admin: remove every trace of a rollout (before re-dispatching its id)."""
@@ -873,6 +876,7 @@ class Ledger:
             res = conn.execute(R.delete().where(R.c.rollout_id == rollout_id))
             return bool(res.rowcount)
 
+        self._tips.forget(rollout_id)
         return await self._transact(body)
 
     async def sweep(self, older_than: timedelta) -> int:

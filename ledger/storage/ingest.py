@@ -106,7 +106,7 @@ def prepare(entry: TokenEntry, tips: TipCache | None = None) -> Prepared:
     plen = len(prompt) // 4
     state = hasher.state_at(plen)
     prompt_digest = state.hexdigest()
-    hasher._memo[plen] = prompt_digest
+    hasher.note(plen, prompt_digest)
     state.update(generation)
     return Prepared(
         entry=entry,
