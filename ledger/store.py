@@ -154,9 +154,6 @@ def _validate_reason(reason: str) -> str:
     return reason
 
 
-_first_mismatch = ingest.first_mismatch
-
-
 class Ledger:
     """The SQL ledger over one database (a SQLite file or a Postgres database)."""
 
