@@ -20,6 +20,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import httpx
+import orjson
 from fastapi import HTTPException, Request, Response
 from fastapi.routing import APIRoute
 
@@ -90,7 +91,12 @@ def check_json_value(value: Any, max_depth: int = MAX_DEPTH) -> None:
 
 
 def _parse(raw: bytes) -> Any:
-    value = json.loads(raw)
+    # orjson (C) first; the stdlib only for what orjson refuses but Python's parser accepts
+    # (NaN, lone surrogates), so what is accepted does not change; the checks below decide.
+    try:
+        value = orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        value = json.loads(raw)
     check_json_value(value)
     return value
 

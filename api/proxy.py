@@ -28,6 +28,7 @@ from typing import Any
 from urllib.parse import quote
 
 import httpx
+import orjson
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.background import BackgroundTask
@@ -303,6 +304,38 @@ async def _capture(
     return response
 
 
+def _loads(raw: bytes) -> Any:
+    """Parse JSON with orjson (C; about a third of the stdlib's time on a 16k-token answer); the
+    stdlib parser only for what orjson refuses but Python's accepts (NaN, lone surrogates), so
+    what is accepted is unchanged."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return json.loads(raw)
+
+
+def _json_response(value: Any) -> Response:
+    """The harness's answer, serialized by orjson; starlette's stdlib path for what orjson would
+    change (non-string keys, NaN, integers beyond 64 bits) so the bytes keep their meaning."""
+    try:
+        content = orjson.dumps(value)
+    except TypeError:
+        return JSONResponse(value)
+    if b"null" in content and _has_non_finite(value):
+        return JSONResponse(value)
+    return Response(content, media_type="application/json")
+
+
+def _has_non_finite(value: Any) -> bool:
+    if isinstance(value, float):
+        return value != value or value in (float("inf"), float("-inf"))
+    if isinstance(value, dict):
+        return any(_has_non_finite(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_has_non_finite(v) for v in value)
+    return False
+
+
 def _json_bytes(value: Any) -> bytes:
     """``value`` as the JSON the upstream gets; NaN, infinities and unpaired surrogates (which
     Python's parser accepts) cannot be sent, so they are the harness's error, not ours."""
@@ -393,7 +426,7 @@ async def _call_upstream(
         reply = d.upstream_error_reply(ctx.dialect, error)
         return _error_response(reply, stream=upstream.stream, dialect=ctx.dialect)
     try:
-        answer = json.loads(raw)
+        answer = _loads(raw)
         if not isinstance(answer, dict):
             raise ValueError("not a JSON object")
     except ValueError as exc:
@@ -682,7 +715,7 @@ def _answer(
             else None
         )
     if frames is None:
-        return JSONResponse(out)
+        return _json_response(out)
     return StreamingResponse(
         _aiter(list(frames)), media_type=d.SSE_MEDIA_TYPE, headers={"cache-control": "no-cache"}
     )

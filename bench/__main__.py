@@ -3,7 +3,7 @@
 Full run (the default): the issue #5 workload (8 concurrent rollouts x 50 turns, 2,000-token
 system prompt, 200-token tool outputs, 300-token generations) on SQLite and Postgres, directly
 through the Ledger API and through ``rollout-ledger serve`` in front of the simulated engine;
-writes ``bench/results/full.json``, ``docs/performance.md`` and ``docs/perf-*.png``.
+writes ``bench/results/full.json``, ``docs/performance-detail.md`` and ``docs/perf-turn-*.png``.
 
 ``--quick``: a smoke run of every phase on a tiny workload; writes under
 ``bench/results/quick/`` and leaves the published report alone.
@@ -503,7 +503,7 @@ def main() -> None:
     if args.cmd == "report":
         data = json.loads(args.results.read_text())
         report.write(data, args.docs, results_path=args.results)
-        print(f"wrote {args.docs / 'performance.md'}")
+        print(f"wrote {args.docs / 'performance-detail.md'}")
         return
     cfg = config(args.quick)
     cfg.backends = [b.strip() for b in args.backends.split(",") if b.strip()]
@@ -517,7 +517,7 @@ def main() -> None:
     out_json.write_text(json.dumps(results, indent=1, default=str) + "\n")
     report.write(results, docs_dir, results_path=out_json)
     print(report.targets_text(results["targets"]))
-    print(f"results: {out_json}\nreport:  {docs_dir / 'performance.md'}")
+    print(f"results: {out_json}\nreport:  {docs_dir / 'performance-detail.md'}")
 
 
 if __name__ == "__main__":

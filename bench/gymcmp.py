@@ -299,10 +299,12 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     "cpu_ms_by_turn": by_turn,
                 }
                 print(f"long {kind}: {long[kind]['ratio']:.2f}x", file=sys.stderr, flush=True)
+        proxy_out = await _proxy_overhead(args, tmp, dbs) if args.proxy_samples else {}
     finally:
         await dbs.cleanup()
         shutil.rmtree(tmp, ignore_errors=True)
     return {
+        "proxy": proxy_out,
         "generated": datetime.now(UTC).isoformat(timespec="seconds"),
         "workload": w.describe(),
         "reps": reps,
@@ -312,6 +314,57 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "fsync_start": fsync0,
         "machine": machine_info,
     }
+
+
+async def _proxy_overhead(args: argparse.Namespace, tmp: Path, dbs: DbFactory) -> dict[str, Any]:
+    """p50 overhead at 16k-token prompts: ``rollout-ledger serve`` (SQLite) and the bare
+    pass-through proxy, each against the same simulated upstream, in this run."""
+    from bench import proxy
+
+    out: dict[str, Any] = {}
+    sim_port = proxy.free_port()
+    sim = proxy.ServerProcess(
+        proxy.sim_command(sim_port, 300), sim_port, "/health", tmp / "sim.log"
+    )
+    with proxy.running(sim):
+        db = await dbs.create("sqlite", "proxy")
+        for kind in ("bare", "ledger"):
+            port = proxy.free_port()
+            argv = (
+                [
+                    sys.executable,
+                    "-m",
+                    "bench.bareproxy",
+                    "--port",
+                    str(port),
+                    "--upstream",
+                    sim.url,
+                ]
+                if kind == "bare"
+                else proxy.serve_command(db.url, sim.url, port)
+            )
+            srv = proxy.ServerProcess(argv, port, "/healthz", tmp / f"{kind}.log")
+            with proxy.running(srv):
+                res = await proxy.overhead(
+                    srv.url,
+                    sim.url,
+                    samples=args.proxy_samples,
+                    prompt_tokens=16_000,
+                    tool_tokens=200,
+                    prefix=f"o{kind}",
+                )
+            out[kind] = res
+            print(
+                f"proxy {kind}: overhead p50 root {res['root']['overhead_p50_ms']:.1f} ms, "
+                f"continuation {res['continuation']['overhead_p50_ms']:.1f} ms",
+                file=sys.stderr,
+                flush=True,
+            )
+    for step in ("root", "continuation"):
+        out[f"above_bare_{step}_ms"] = (
+            out["ledger"][step]["proxy_ms"]["p50"] - out["bare"][step]["proxy_ms"]["p50"]
+        )
+    return out
 
 
 def _ratios(reps: list[dict[str, Any]], backends: list[str]) -> dict[str, Any]:
@@ -346,14 +399,31 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--turns", type=int, default=50)
     ap.add_argument("--long-turns", type=int, default=200, help="0 skips the long rollout")
     ap.add_argument("--backends", default="sqlite,postgres")
+    ap.add_argument(
+        "--proxy-samples", type=int, default=10, help="proxy overhead pairs (0 skips the phase)"
+    )
     ap.add_argument("--build-every", action="store_true", help="build in every repetition")
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=RESULTS / "gymcmp.json")
+    ap.add_argument(
+        "--docs",
+        type=Path,
+        default=None,
+        help="also write DOCS/performance.md and its plots (docs/ for the published page)",
+    )
     args = ap.parse_args(argv)
     args.backends = [b for b in args.backends.split(",") if b]
     out = asyncio.run(run(args))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1, default=str) + "\n")
+    if args.docs is not None:
+        from bench import gymreport
+
+        before = RESULTS / "gymcmp-before.json"
+        if before.exists():
+            out["before"] = json.loads(before.read_text())
+        gymreport.write(out, args.docs)
+        print(f"wrote {args.docs / 'performance.md'}", file=sys.stderr)
     r = out["ratios"]
     for b in args.backends:
         s = r[b]["ratio_vs_gym_best"]

@@ -127,6 +127,10 @@ async def capture_and_replay(
     finally:
         await f.drop(src)
     calls = res["calls"]
+    if not txs:
+        # The ingest hot path runs plain SQL on the driver (ledger.storage), which SQLAlchemy's
+        # cursor events do not see: there is nothing left to replay without SQLAlchemy.
+        return {"calls": calls, "skipped": "the hot path already runs plain SQL", "replay": {}}
     out: dict[str, Any] = {
         "calls": calls,
         "write_transactions": len(txs),

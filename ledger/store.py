@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import queue
 import re
 import threading
@@ -168,7 +169,6 @@ def _validate_reason(reason: str) -> str:
     return reason
 
 
-_first_mismatch = ingest.first_mismatch
 
 
 def _storable_call_id(model_call_id: object, detail: str) -> tuple[str, str]:
@@ -223,8 +223,8 @@ class Ledger:
         self._group = _GroupCommit(self) if group_commit else None
         # Digest state of each rollout's latest calls: continuations hash only their suffix.
         self._tips = TipCache()
-        # Postgres hot path: asyncpg directly (prepared statements), one pool per event loop.
-        self._pool: Any = None
+        # Postgres hot path: asyncpg directly (prepared statements), pools per event loop.
+        self._pools: dict[bool, Any] = {}
         self._pool_loop: asyncio.AbstractEventLoop | None = None
         self._pool_lock = asyncio.Lock()
 
@@ -235,13 +235,12 @@ class Ledger:
         await self.engine.dispose()
 
     async def _close_pool(self) -> None:
-        pool, self._pool = self._pool, None
-        if pool is None:
-            return
-        if self._pool_loop is asyncio.get_running_loop():
-            await pool.close()
-        else:
-            pool.terminate()
+        pools, self._pools = self._pools, {}
+        for pool in pools.values():
+            if self._pool_loop is asyncio.get_running_loop():
+                await pool.close()
+            else:
+                pool.terminate()
 
     async def ensure_schema(self) -> None:
         """Migrate the database to head once per process (guarded against concurrent runs)."""
@@ -290,23 +289,30 @@ class Ledger:
         async with self._write() as aconn:
             return await aconn.run_sync(body)
 
-    async def _run_steps(self, make: Callable[[], ingest.Steps], *, flush: bool = True) -> Any:
-        """Run one hot-path operation (``ledger.storage.ingest``) in one write transaction:
-        SQLite in the group-commit writer, Postgres through asyncpg; returns after the commit
-        (``flush=False``: after a commit that need not wait for its own flush)."""
+    async def _run_steps(
+        self, make: Callable[[bool], ingest.Steps], *, flush: bool = True, single: bool = False
+    ) -> Any:
+        """Run one hot-path operation (``ledger.storage.ingest``) and return after its commit
+        (``flush=False``: a commit that need not wait for its own flush).
+
+        SQLite: one write transaction in the group-commit writer.  Postgres: asyncpg with its
+        statements folded (``make(True)``), in one transaction, or (``single``: an operation
+        whose every statement is atomic on its own) in autocommit, one round trip per statement.
+        """
         if self.dialect == "sqlite":
             return await self._transact(
-                lambda conn: ingest.run_sqlite(conn.connection.dbapi_connection, make()),
+                lambda conn: ingest.run_sqlite(conn.connection.dbapi_connection, make(False)),
                 flush=flush,
             )
         if self.auto_migrate and not self._schema_ready:
             await self.ensure_schema()
-        pool = await self._pg_pool()
+        pool = await self._pg_pool(lazy=not flush)
         try:
-            async with pool.acquire() as conn, conn.transaction():
-                if not flush:
-                    await conn.execute("SET LOCAL synchronous_commit = off")
-                return await ingest.run_postgres(conn, make())
+            async with pool.acquire() as conn:
+                if single:
+                    return await ingest.run_postgres(conn, make(True))
+                async with conn.transaction():
+                    return await ingest.run_postgres(conn, make(True))
         except LedgerError:
             raise
         except Exception as exc:
@@ -315,36 +321,40 @@ class Ledger:
                 raise
             raise translated from exc
 
-    async def _pg_pool(self) -> Any:
+    async def _pg_pool(self, *, lazy: bool = False) -> Any:
+        """The asyncpg pool of this event loop; ``lazy``: its sessions commit without waiting
+        for the WAL flush (``synchronous_commit=off``), for intents."""
         loop = asyncio.get_running_loop()
-        if self._pool is not None and self._pool_loop is loop:
-            return self._pool
-        async with self._pool_lock:
-            if self._pool is None or self._pool_loop is not loop:
-                import asyncpg
+        if self._pool_loop is not loop or lazy not in self._pools:
+            async with self._pool_lock:
+                if self._pool_loop is not loop:
+                    for stale in self._pools.values():
+                        stale.terminate()
+                    self._pools = {}
+                    self._pool_loop = loop
+                if lazy not in self._pools:
+                    self._pools[lazy] = await self._new_pool(lazy)
+        return self._pools[lazy]
 
-                from ledger.engine import PG_LOCK_TIMEOUT_MS, PG_STATEMENT_TIMEOUT_MS
+    async def _new_pool(self, lazy: bool) -> Any:
+        import asyncpg
 
-                if self._pool is not None:
-                    self._pool.terminate()
-                dsn = self.engine.url.set(drivername="postgresql").render_as_string(
-                    hide_password=False
-                )
-                try:
-                    self._pool = await asyncpg.create_pool(
-                        dsn,
-                        min_size=1,
-                        max_size=10,
-                        server_settings={
-                            "lock_timeout": str(PG_LOCK_TIMEOUT_MS),
-                            "statement_timeout": str(PG_STATEMENT_TIMEOUT_MS),
-                            "application_name": "rollout-ledger",
-                        },
-                    )
-                except Exception as exc:
-                    raise Unavailable(f"ledger database unavailable: {exc}") from exc
-                self._pool_loop = loop
-        return self._pool
+        from ledger.engine import PG_LOCK_TIMEOUT_MS, PG_STATEMENT_TIMEOUT_MS
+
+        settings = {
+            "lock_timeout": str(PG_LOCK_TIMEOUT_MS),
+            "statement_timeout": str(PG_STATEMENT_TIMEOUT_MS),
+            "application_name": "rollout-ledger",
+        }
+        if lazy:
+            settings["synchronous_commit"] = "off"
+        dsn = self.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+        try:
+            return await asyncpg.create_pool(
+                dsn, min_size=1, max_size=4 if lazy else 10, server_settings=settings
+            )
+        except Exception as exc:
+            raise Unavailable(f"ledger database unavailable: {exc}") from exc
 
     def _now(self) -> Any:
         return ingest.sqlite_now() if self.dialect == "sqlite" else utcnow()
@@ -431,8 +441,11 @@ class Ledger:
 
         now = self._now()
         created: bool = await self._run_steps(
-            lambda: ingest.begin_call_steps(rollout_id, model_call_id, route, model or "", now),
+            lambda folded: ingest.begin_call_steps(
+                rollout_id, model_call_id, route, model or "", now, folded=folded
+            ),
             flush=self.flush_intents,
+            single=True,
         )
         return created
 
@@ -542,13 +555,14 @@ class Ledger:
             prep = ingest.prepare(entry, self._tips)
         now = self._now()
         out: ingest.Outcome = await self._run_steps(
-            lambda: ingest.put_steps(
+            lambda folded: ingest.put_steps(
                 prep,
                 route=route,
                 request_fingerprint=request_fingerprint,
                 continuation_fingerprint=continuation_fingerprint,
                 delta_records=self.delta_records,
                 now=now,
+                folded=folded,
             )
         )
         if out.deferred is not None:
@@ -1005,7 +1019,10 @@ class Ledger:
             )
             return True
 
-        return await self._transact(body)
+        retired = await self._transact(body)
+        if retired:
+            self._tips.forget(rollout_id)
+        return retired
 
     async def delete_rollout(self, rollout_id: str) -> bool:
         """Admin: remove every trace of a rollout (before re-dispatching its id)."""
@@ -1015,6 +1032,7 @@ class Ledger:
             res = conn.execute(R.delete().where(R.c.rollout_id == rollout_id))
             return bool(res.rowcount)
 
+        self._tips.forget(rollout_id)
         return await self._transact(body)
 
     async def sweep(self, older_than: timedelta) -> int:
@@ -1149,26 +1167,35 @@ class _GroupCommit:
     """Group commit for SQLite (design §8): concurrent writes share one durable commit.
 
     One writer thread owns a synchronous SQLite connection.  It takes every write queued while
-    the previous commit was in flight, runs them in one ``BEGIN IMMEDIATE`` transaction, commits
-    once (one fsync under ``synchronous=FULL``) and only then acknowledges each caller on its
-    event loop.  Writes that need no flush of their own (intents: the call's flushed record
-    makes them durable) go first, in their own commit without a flush.  A write that raises
-    before changing anything (a refusal) just fails; one that raises after changing rows rolls
-    the batch back, which then runs again with one SAVEPOINT per write, so a failing write never
-    takes another's changes with it; a failed commit fails every write of the batch.  Nothing
-    is acknowledged before its commit.  The thread also keeps SQL off the event loop, one
-    hand-off per batch instead of one per statement.
+    the previous batch was in flight and runs them in one ``BEGIN IMMEDIATE`` transaction.  A
+    write that raises before changing anything (a refusal) just fails; one that raises after
+    changing rows rolls the batch back, which then runs again with one SAVEPOINT per write, so
+    a failing write never takes another's changes with it; a failed commit fails every write of
+    the batch.  Nothing is acknowledged before its commit.
+
+    Flushing is pipelined: the connection commits with ``synchronous=NORMAL`` (the WAL frames
+    are written, and readable, but not yet flushed) and a flusher thread then ``fdatasync``s
+    the WAL file, which is exactly the flush ``synchronous=FULL`` would do inside the commit,
+    while the writer already runs the next batch.  A write that promises durability is
+    acknowledged only after a flush that began after its commit; one that does not need its own
+    flush (an intent: the call's flushed record carries it) is acknowledged at its commit.  The
+    WAL is checkpointed into the database with its own flushes, as under ``NORMAL``.
     """
 
     MAX_BATCH = 256
+    # Flusher threads: while one flush is in flight, another can start for later commits, so a
+    # durable write waits for about one flush, not for the one in flight and then its own.
+    FLUSHERS = 2
 
     def __init__(self, ledger: Ledger) -> None:
         self.ledger = ledger
         self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._flushes: queue.SimpleQueue[list[_Outcome] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._flushers: list[threading.Thread] = []
         self._start_lock = threading.Lock()
         self._engine: Engine | None = None
-        self._mode = "FULL"  # the writer connection's PRAGMA synchronous (engine.py sets FULL)
+        self._db_path = os.path.abspath(str(ledger.engine.url.database or ""))
 
     async def submit(self, body: Callable[[Connection], _T], *, flush: bool = True) -> _T:
         self._ensure_thread()
@@ -1186,15 +1213,27 @@ class _GroupCommit:
                 self._thread = threading.Thread(
                     target=self._run, name="rollout-ledger-writer", daemon=True
                 )
+                self._flushers = [
+                    threading.Thread(
+                        target=self._flush_loop, name=f"rollout-ledger-flusher-{i}", daemon=True
+                    )
+                    for i in range(self.FLUSHERS)
+                ]
+                for flusher in self._flushers:
+                    flusher.start()
                 self._thread.start()
 
     async def close(self) -> None:
-        thread = self._thread
+        thread, flushers = self._thread, self._flushers
         if thread is None:
             return
         self._queue.put(None)
         await asyncio.to_thread(thread.join)
-        self._thread = None
+        for _ in flushers:
+            self._flushes.put(None)
+        for flusher in flushers:
+            await asyncio.to_thread(flusher.join)
+        self._thread, self._flushers = None, []
         if self._engine is not None:
             self._engine.dispose()
             self._engine = None
@@ -1220,25 +1259,15 @@ class _GroupCommit:
                 return
 
     def _commit(self, batch: list[_Job]) -> None:
-        """Commit the batch: first the writes that need no flush of their own (intents), so
-        they never wait for another write's flush, then the rest with one flush."""
-        lazy = [job for job in batch if not job[3]]
-        if lazy and len(lazy) < len(batch):
-            self._commit_one(lazy, flush=False)
-            self._commit_one([job for job in batch if job[3]], flush=True)
-        else:
-            self._commit_one(batch, flush=not lazy)
-
-    def _commit_one(self, batch: list[_Job], *, flush: bool) -> None:
-        """Run the jobs in one transaction without savepoints; a write that fails after it
-        changed something makes the whole transaction roll back and run again with one savepoint
-        per write (so each write still succeeds or fails alone)."""
+        """Run the batch in one transaction without savepoints; a write that fails after it
+        changed something makes the whole transaction roll back and run again with one
+        savepoint per write (so each write still succeeds or fails alone)."""
         assert self._engine is not None
-        outcomes: list[tuple[_Job, Any, BaseException | None]] = []
+        outcomes: list[_Outcome] = []
         try:
             with self._engine.connect() as conn:
                 dbapi: Any = conn.connection.dbapi_connection
-                self._synchronous(dbapi, flush)
+                self._unflushed_commits(dbapi)
                 with conn.begin():
                     self._run_batch(conn, dbapi, batch, outcomes)
         except _Replay:
@@ -1249,22 +1278,16 @@ class _GroupCommit:
             for job in batch:
                 _resolve(job, None, failure)
             return
-        for job, value, error in outcomes:
-            _resolve(job, value, error)
+        self._committed(outcomes)
 
-    def _synchronous(self, dbapi: Any, flush: bool) -> None:
-        """FULL (the commit waits for its flush) unless no write of the batch needs one."""
-        mode = "FULL" if flush else "NORMAL"
-        if self._mode != mode:
-            dbapi.execute(f"PRAGMA synchronous={mode}")
-            self._mode = mode
+    @staticmethod
+    def _unflushed_commits(dbapi: Any) -> None:
+        # Idempotent and cheap (no I/O); the engine's connect hook sets FULL.
+        dbapi.execute("PRAGMA synchronous=NORMAL")
 
     @staticmethod
     def _run_batch(
-        conn: Connection,
-        dbapi: Any,
-        batch: list[_Job],
-        outcomes: list[tuple[_Job, Any, BaseException | None]],
+        conn: Connection, dbapi: Any, batch: list[_Job], outcomes: list[_Outcome]
     ) -> None:
         for job in batch:
             changes = dbapi.total_changes
@@ -1278,7 +1301,7 @@ class _GroupCommit:
 
     def _commit_with_savepoints(self, batch: list[_Job]) -> None:
         assert self._engine is not None
-        outcomes: list[tuple[_Job, Any, BaseException | None]] = []
+        outcomes: list[_Outcome] = []
         try:
             with self._engine.begin() as conn:
                 for job in batch:
@@ -1292,16 +1315,72 @@ class _GroupCommit:
             for job in batch:
                 _resolve(job, None, failure)
             return
-        for job, value, error in outcomes:
-            _resolve(job, value, error)
+        self._committed(outcomes)
 
+    def _committed(self, outcomes: list[_Outcome]) -> None:
+        """Acknowledge what needs no flush now; hand the rest to the flusher."""
+        waiting: list[_Outcome] = []
+        for out in outcomes:
+            job, _value, error = out
+            if job[3] and error is None:
+                waiting.append(out)
+            else:
+                _resolve(*out)
+        if waiting:
+            self._flushes.put(waiting)
 
-class _Replay(Exception):
-    """A write failed after changing rows: roll the batch back and rerun it with savepoints."""
+    def _flush_loop(self) -> None:
+        while True:
+            first = self._flushes.get()
+            if first is None:
+                return
+            waiting = list(first)
+            stop = False
+            while True:
+                try:
+                    more = self._flushes.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    stop = True
+                    break
+                waiting += more
+            try:
+                self._flush_wal()
+            except OSError as exc:
+                failure = Unavailable(f"ledger database unavailable: flush failed: {exc}")
+                for job, _value, _error in waiting:
+                    _resolve(job, None, failure)
+            else:
+                for out in waiting:
+                    _resolve(*out)
+            if stop:
+                return
+
+    def _flush_wal(self) -> None:
+        """``fdatasync`` the WAL (what a ``synchronous=FULL`` commit does); when there is no WAL
+        file (checkpointed and removed), the database file holds the commits: flush it."""
+        for path in (self._db_path + "-wal", self._db_path):
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
+            return
 
 
 # (body, future, the caller's loop, whether its commit must wait for the flush)
 _Job = tuple[Callable[[Connection], Any], "asyncio.Future[Any]", asyncio.AbstractEventLoop, bool]
+
+
+_Outcome = tuple[_Job, Any, BaseException | None]
+
+
+class _Replay(Exception):
+    """A write failed after changing rows: roll the batch back and rerun it with savepoints."""
 
 
 def _resolve(job: _Job, value: Any, error: BaseException | None) -> None:

@@ -109,7 +109,7 @@ def prepare(entry: TokenEntry, tips: TipCache | None = None) -> Prepared:
     plen = len(prompt) // 4
     state = hasher.state_at(plen)
     prompt_digest = state.hexdigest()
-    hasher._memo[plen] = prompt_digest
+    hasher.note(plen, prompt_digest)
     state.update(generation)
     return Prepared(
         entry=entry,
@@ -164,9 +164,26 @@ def refuse_if_closed(rollout_id: str, state: str, what: str) -> None:
 
 
 def begin_call_steps(
-    rollout_id: str, model_call_id: str, route: str | None, model: str, now: Any
+    rollout_id: str,
+    model_call_id: str,
+    route: str | None,
+    model: str,
+    now: Any,
+    *,
+    folded: bool = False,
 ) -> Steps:
-    """Register a call before dispatch; True when it was new (refused after freeze/retire)."""
+    """Register a call before dispatch; True when it was new (refused after freeze/retire).
+
+    ``folded`` (Postgres): the lock, the state check and the insert are one statement, which
+    can then run on its own (autocommit), one round trip."""
+    if folded:
+        args = (rollout_id, rollout_id, model_call_id, route, model, now)
+        rows = yield ("intent_register", args)
+        if not rows:
+            yield ("rollout_create", (rollout_id, False, now, now))
+            rows = yield ("intent_register", args)
+        refuse_if_closed(rollout_id, rows[0][0], "begin_call")
+        return bool(rows[0][1])
     rows = yield ("rollout_state", (rollout_id,))
     if not rows:
         yield ("rollout_create", (rollout_id, False, now, now))
@@ -184,8 +201,11 @@ def put_steps(
     continuation_fingerprint: str,
     delta_records: bool,
     now: Any,
+    folded: bool = False,
 ) -> Steps:
-    """Commit one record with its proven lineage edge (design §4.1-4.3, §5.3)."""
+    """Commit one record with its proven lineage edge (design §4.1-4.3, §5.3).
+
+    ``folded`` (Postgres): the record's writes go in one statement (one round trip)."""
     e = prep.entry
     rid, cid = e.rollout_id, e.model_call_id
     locked = yield ("rollout_lock", (rid,))
@@ -243,26 +263,43 @@ def put_steps(
         request_fingerprint or None,
         continuation_fingerprint or None,
     )
+    tokens = (
+        codec.IDS_TAG,
+        prep.lp_codec,
+        len(stored_prompt) // 4,
+        glen,
+        stored_prompt,
+        prep.generation,
+        prep.log_probs,
+        _json(e.routed_experts),
+    )
+    if folded:
+        edge = (
+            rid,
+            parent.pk if parent else None,
+            parent.method if parent else None,
+            parent.cumulative_len if parent else None,
+            now,
+            parent is not None,
+        )
+        if call_pk is None:
+            rows = yield ("record_insert_all", (rid, cid, now, *values, *tokens, *edge, now, rid))
+        else:
+            rows = yield (
+                "record_over_intent_all",
+                (*values, int(call_pk), *tokens, *edge, now, rid),
+            )
+        version, pk = int(rows[0][0]), int(rows[0][1])
+        if request_fingerprint:
+            yield from diagnose_drift(rid, pk, prep.prompt, parent, request_fingerprint, now)
+        return Outcome("created", version, pk, parent, is_delta)
     if call_pk is None:
         rows = yield ("record_insert", (rid, cid, now, *values))
         pk = int(rows[0][0])
     else:
         pk = int(call_pk)
         yield ("record_over_intent", (*values, pk))
-    yield (
-        "tokens_insert",
-        (
-            pk,
-            codec.IDS_TAG,
-            prep.lp_codec,
-            len(stored_prompt) // 4,
-            glen,
-            stored_prompt,
-            prep.generation,
-            prep.log_probs,
-            _json(e.routed_experts),
-        ),
-    )
+    yield ("tokens_insert", (pk, *tokens))
     if parent is not None:
         yield (
             "edge_insert",

@@ -195,4 +195,53 @@ _ALL = [
     ),
 ]
 
+# Postgres only: every write of a record in one statement (one round trip instead of four).
+_PG_TOKENS_EDGE_BUMP = """
+    t AS (
+      INSERT INTO call_tokens (call_id, ids_codec, log_prob_codec, prompt_count, generation_count,
+                               prompt_ids, generation_ids, log_probs, routed_experts)
+      SELECT c.id, ?::varchar, ?::varchar, ?::int, ?::int, ?::bytea, ?::bytea, ?::bytea, ?::json
+      FROM c
+    ),
+    e AS (
+      INSERT INTO lineage_edges (rollout_id, child_id, parent_id, method, status, shared_len,
+                                 created_at)
+      SELECT ?::varchar, c.id, ?::bigint, ?::varchar, 'verified', ?::int, ?::timestamptz
+      FROM c WHERE ?::boolean
+    )
+    UPDATE rollouts SET version = version + 1, updated_at = ?
+    WHERE rollout_id = ? RETURNING version, (SELECT id FROM c)"""
+
+_ALL += [
+    _pg_only(
+        "record_over_intent_all",
+        "Postgres: the record over its intent, its tokens, its verified edge (if any) and the "
+        "version bump, in one statement; returns the version and the call's id.",
+        f"WITH c AS (UPDATE calls SET status = 'captured', {_CALL_SET} WHERE id = ? RETURNING id),"
+        + _PG_TOKENS_EDGE_BUMP,
+    ),
+    _pg_only(
+        "record_insert_all",
+        "Postgres: a record without intent, its tokens, its verified edge (if any) and the "
+        "version bump, in one statement; returns the version and the call's id.",
+        f"""WITH c AS (
+              INSERT INTO calls (rollout_id, model_call_id, status, registered_at, {_CALL_COLUMNS})
+              VALUES (?, ?, 'captured', ?, {_CALL_VALUES}) RETURNING id),"""
+        + _PG_TOKENS_EDGE_BUMP,
+    ),
+    _pg_only(
+        "intent_register",
+        "Postgres: lock the rollout and register the call if the rollout is open, in one "
+        "statement; returns the rollout's state and 1 if the intent is new (nothing: no rollout).",
+        """WITH r AS (SELECT state FROM rollouts WHERE rollout_id = ? FOR UPDATE),
+           ins AS (
+             INSERT INTO calls (rollout_id, model_call_id, status, route, model, registered_at,
+                                prompt_is_delta)
+             SELECT ?::varchar, ?::varchar, 'intent', ?::varchar, ?::varchar, ?::timestamptz, false
+             FROM r WHERE r.state = 'open'
+             ON CONFLICT (rollout_id, model_call_id) DO NOTHING RETURNING id)
+           SELECT r.state, (SELECT count(*) FROM ins) FROM r""",
+    ),
+]
+
 STATEMENTS: dict[str, Statement] = {s.name: s for s in _ALL}

@@ -109,6 +109,10 @@ class PrefixHasher:
             h.update(memoryview(self.packed)[self.base_len * 4 : n * 4])
         return h
 
+    def note(self, n: int, digest: str) -> None:
+        """Remember a digest computed elsewhere (the whole prompt's, by ``prepare``)."""
+        self._memo[n] = digest
+
     def digest_at(self, n: int) -> str:
         digest = self._memo.get(n)
         if digest is None:
