@@ -42,7 +42,14 @@ def require_postgres() -> str:
 def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
     outcome = yield
     report = outcome.get_result()  # type: ignore[attr-defined]
-    if REQUIRE_PG and report.skipped and item.get_closest_marker("postgres") is not None:
+    # An opt-in test (run only when asked, e.g. the slow differential tier) may skip.
+    opted_out = item.get_closest_marker("opt_in") is not None
+    if (
+        REQUIRE_PG
+        and report.skipped
+        and not opted_out
+        and item.get_closest_marker("postgres") is not None
+    ):
         report.outcome = "failed"
         report.longrepr = f"Postgres test skipped while Postgres is required: {report.longrepr}"
 

@@ -258,6 +258,7 @@ async def test_ledger_matches_release_over_http(
 
 
 @pytest.mark.slow
+@pytest.mark.opt_in
 async def test_ledger_matches_release_on_thousands_of_rollouts(
     gym: SimpleNamespace, db_url: str, tmp_path: Path, quiet: None
 ) -> None:

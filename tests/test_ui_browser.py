@@ -37,6 +37,8 @@ from tests.support.smollm2 import cache_dir, load_smollm2_tokenizer
 
 Rid = Callable[[str], str]
 TOKEN = "browser-audit-token"
+# The harness writes through the proxy, which wants a capture credential once tokens are set.
+INGEST_TOKEN = "ui-ingest-token-0123456789"
 TOOL = {
     "type": "function",
     "function": {
@@ -77,7 +79,7 @@ def smol_stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Stac
     """Proxy + simulated vLLM (SmolLM2 tokenizer) on a fresh SQLite ledger, audit tokens on,
     the page decoding with the same tokenizer.json."""
     smol = load_smollm2_tokenizer()
-    monkeypatch.setenv("ROLLOUT_LEDGER_TOKENS", f"{TOKEN}=audit")
+    monkeypatch.setenv("ROLLOUT_LEDGER_TOKENS", f"{TOKEN}=audit;{INGEST_TOKEN}=ingest")
     monkeypatch.setenv("ROLLOUT_LEDGER_TOKENIZER", str(cache_dir() / "tokenizer.json"))
     url = f"sqlite+aiosqlite:///{tmp_path / 'ledger.db'}"
     migrate.upgrade(url)
@@ -88,7 +90,9 @@ def smol_stack(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Stac
 def drifted_tool_loop(stack: Stack, rollout_id: str) -> int:
     """Two calls whose conversation continues but whose tokens do not; the drift position,
     computed from the engine's own answers."""
-    client = openai.OpenAI(base_url=stack.base(rollout_id) + "/v1", api_key="sk", max_retries=0)
+    client = openai.OpenAI(
+        base_url=stack.base(rollout_id) + "/v1", api_key=INGEST_TOKEN, max_retries=0
+    )
     messages: list[dict[str, Any]] = [{"role": "user", "content": "Weather in Paris?"}]
     stack.engine.script_tool_call("get_weather", {"city": "Paris", "days": 2})
     first = client.chat.completions.create(model="smol", messages=messages, tools=[TOOL])  # type: ignore[arg-type, list-item]

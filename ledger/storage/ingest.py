@@ -292,6 +292,7 @@ def put_steps(
         version, pk = int(rows[0][0]), int(rows[0][1])
         if request_fingerprint:
             yield from diagnose_drift(rid, pk, prep.prompt, parent, request_fingerprint, now)
+        yield from record_parent_mismatch(rid, pk, prep, parent, now)
         return Outcome("created", version, pk, parent, is_delta)
     if call_pk is None:
         rows = yield ("record_insert", (rid, cid, now, *values))
