@@ -616,7 +616,12 @@ def check_rollout(proxy: Proxy, r: Rollout) -> Verdict:
             f"first call, yet the ledger delivered it ({build})"
         )
         assert result.get("mask_sample") is True
-        assert build["mask_reasons"], build
+        # The terminal is attributed (its response id); its path starts at a call whose
+        # conversation parent it does not extend: the chain is broken, and each such root is an
+        # unresolved parent (the drift diagnosed above).
+        assert "terminal_broken" in build["mask_reasons"], build
+        drifted_roots = sum(1 for k in drifted if parents[k] is None)
+        assert capture["unresolved_parent_calls"] == drifted_roots, (capture, drifted_roots)
         assert result["response"]["output"] == [], "a masked rollout must not deliver tokens"
 
     summary = {
