@@ -641,6 +641,10 @@ def check_rollout(proxy: Proxy, r: Rollout) -> Verdict:
     call_ids = _check_records(r, detail)
     drifts = _check_lineage(r, detail, call_ids, parents)
     delivered, build, capture = _check_delivery(proxy, r, parents)
+    if SUPPLY_PREFIX and "prefix_supply_supplied" in capture:
+        # Each supplied prefix the ledger counts is one vLLM was actually sent (and used, step 1).
+        supplied = sum(ex.supplied_prompt is not None for ex in exchanges)
+        assert capture["prefix_supply_supplied"] == supplied, (capture, supplied)
     summary = {
         "framework": r.framework,
         "name": r.name,
