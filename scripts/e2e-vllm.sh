@@ -31,7 +31,7 @@
 #                               developer default 18000 is left alone)
 #   E2E_VLLM_EXTRA_ARGS         extra vLLM arguments               (default --enforce-eager;
 #                               set to "" for the torch.compile server)
-#   E2E_VLLM_START_TIMEOUT      seconds to wait for vLLM /health   (default 300)
+#   E2E_VLLM_START_TIMEOUT      seconds to wait for vLLM /health   (default 600)
 #   E2E_KEEP_VLLM=1             leave vLLM running afterwards (stop: VLLM_PORT=$E2E_VLLM_PORT
 #                               VLLM_RUN_DIR=<cache>/e2e-run scripts/vllm-stop.sh)
 #   E2E_MODEL                   smollm2 (default) or gemma3: the second model, Gemma 3 270M with
@@ -149,7 +149,7 @@ if [[ -f "$run_dir/vllm-$port.pid" ]]; then
 fi
 started_vllm=1
 url="$(vllm_env SMOLLM2_HF_DIR="$model_dir" VLLM_VENV="$venv" VLLM_EXTRA_ARGS="$extra_args" \
-  VLLM_SERVED_NAME="$served" VLLM_START_TIMEOUT="${E2E_VLLM_START_TIMEOUT:-300}" \
+  VLLM_SERVED_NAME="$served" VLLM_START_TIMEOUT="${E2E_VLLM_START_TIMEOUT:-600}" \
   "$repo_root/scripts/vllm-serve.sh")"
 record "vllm-serve.sh (until /health)"
 # A server reused from an interrupted run may serve another model.

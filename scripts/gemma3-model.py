@@ -54,9 +54,17 @@ STAMP = ".rollout-ledger-stamp.json"
 END_OF_TURN = "<end_of_turn>"
 
 CHAT_TEMPLATE = (
+    # Content may come as a string or as a list of parts (vLLM passes parts when it detects a
+    # template that iterates over content): text() renders both.
+    "{%- macro text(content) -%}"
+    "{%- if content is string -%}{{ content | trim }}"
+    "{%- elif content -%}{%- for item in content -%}"
+    "{%- if item['type'] == 'text' -%}{{ item['text'] | trim }}{%- endif -%}"
+    "{%- endfor -%}{%- endif -%}"
+    "{%- endmacro -%}"
     "{{ bos_token }}"
     "{%- if messages[0]['role'] == 'system' -%}"
-    "{%- set first_user_prefix = messages[0]['content'] + '\\n\\n' -%}"
+    "{%- set first_user_prefix = text(messages[0]['content']) + '\\n\\n' -%}"
     "{%- set loop_messages = messages[1:] -%}"
     "{%- else -%}{%- set first_user_prefix = '' -%}{%- set loop_messages = messages -%}"
     "{%- endif -%}"
@@ -64,13 +72,8 @@ CHAT_TEMPLATE = (
     "{%- set role = 'model' if message['role'] == 'assistant' else 'user' -%}"
     "{{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else '') }}"
     "{%- if message['role'] == 'tool' -%}"
-    "{{ '<tool_response>\\n' + (message['content'] | string | trim) + '\\n</tool_response>' }}"
-    "{%- elif message['content'] is string -%}{{ message['content'] | trim }}"
-    "{%- elif message['content'] is iterable -%}"
-    "{%- for item in message['content'] -%}"
-    "{%- if item['type'] == 'text' -%}{{ item['text'] | trim }}{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- endif -%}"
+    "{{ '<tool_response>\\n' + text(message['content']) + '\\n</tool_response>' }}"
+    "{%- else -%}{{ text(message['content']) }}{%- endif -%}"
     "{%- for call in message.get('tool_calls') or [] -%}"
     "{%- set fn = call['function'] if call['function'] is defined else call -%}"
     "{%- set args = fn['arguments'] if fn['arguments'] is string "
@@ -168,12 +171,39 @@ def wanted_stamp() -> dict[str, object]:
     }
 
 
-def is_done(out_dir: Path) -> bool:
+def stamp_of(out_dir: Path) -> dict[str, object] | None:
     try:
-        have = json.loads((out_dir / STAMP).read_text())
+        have: dict[str, object] = json.loads((out_dir / STAMP).read_text())
     except (OSError, ValueError):
-        return False
-    return have == wanted_stamp() and any(out_dir.glob("*.safetensors"))
+        return None
+    return have if any(out_dir.glob("*.safetensors")) else None
+
+
+def update_template(out_dir: Path) -> None:
+    """Only the chat template changed: rewrite it in place (no reconversion)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(out_dir))
+    tok.chat_template = CHAT_TEMPLATE
+    tok.save_pretrained(str(out_dir))
+    check_template(AutoTokenizer.from_pretrained(str(out_dir)))
+    (out_dir / STAMP).write_text(json.dumps(wanted_stamp(), indent=2, sort_keys=True) + "\n")
+    log(f"chat template updated in {out_dir}")
+
+
+def check_template(tok: object) -> None:
+    """The template renders the reference prompt, and list-of-parts content the same way."""
+    render = tok.apply_chat_template  # type: ignore[attr-defined]
+    for messages in (
+        REFERENCE_MESSAGES,
+        [
+            {"role": m["role"], "content": [{"type": "text", "text": m["content"]}]}
+            for m in REFERENCE_MESSAGES
+        ],
+    ):
+        got = render(messages, add_generation_prompt=True, tokenize=False)
+        if got != REFERENCE_TEXT:
+            fail(f"the template renders {got!r}, expected {REFERENCE_TEXT!r}")
 
 
 def convert(gguf_path: Path, out_dir: Path) -> None:
@@ -198,12 +228,8 @@ def convert(gguf_path: Path, out_dir: Path) -> None:
     if missing or unexpected:
         fail(f"state_dict mismatch: missing={missing} unexpected={unexpected}")
     tok.chat_template = CHAT_TEMPLATE
-    rendered = tok.apply_chat_template(
-        REFERENCE_MESSAGES, add_generation_prompt=True, tokenize=False
-    )
-    if rendered != REFERENCE_TEXT:
-        fail(f"the template renders {rendered!r}, expected {REFERENCE_TEXT!r}")
-    ids = tok(rendered, add_special_tokens=False)["input_ids"]
+    check_template(tok)
+    ids = tok(REFERENCE_TEXT, add_special_tokens=False)["input_ids"]
     prompt = torch.tensor([ids])
     with torch.no_grad():
         a = gg(prompt).logits[0, -1]
@@ -223,12 +249,7 @@ def convert(gguf_path: Path, out_dir: Path) -> None:
     try:
         fresh.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
-        tok2 = AutoTokenizer.from_pretrained(str(tmp))
-        again = tok2.apply_chat_template(
-            REFERENCE_MESSAGES, add_generation_prompt=True, tokenize=False
-        )
-        if again != REFERENCE_TEXT:
-            fail(f"saved tokenizer renders {again!r}")
+        check_template(AutoTokenizer.from_pretrained(str(tmp)))
         if "quantization_config" in json.loads((tmp / "config.json").read_text()):
             fail("saved config.json still has a quantization_config")
         (tmp / STAMP).write_text(json.dumps(wanted_stamp(), indent=2, sort_keys=True) + "\n")
@@ -255,8 +276,11 @@ def main() -> None:
     cache = cache_root()
     out_dir = Path(args.out or os.environ.get("GEMMA3_HF_DIR") or cache / "gemma3-hf")
     out_dir = out_dir.expanduser().resolve()
-    if not args.force and is_done(out_dir):
+    have, want = stamp_of(out_dir), wanted_stamp()
+    if not args.force and have == want:
         log(f"already converted: {out_dir}")
+    elif not args.force and have is not None and {**have, "template": want["template"]} == want:
+        update_template(out_dir)
     else:
         convert(obtain_gguf(cache), out_dir)
     print(out_dir)

@@ -523,16 +523,9 @@ def _check_upstream(recorder: Recorder, r: Rollout) -> None:
             )
 
 
-def check_rollout(proxy: Proxy, r: Rollout) -> Verdict:
-    """Steps 1-4 of the module docstring for one driven rollout."""
+def _check_records(r: Rollout, detail: dict[str, Any]) -> list[str]:
+    """Step 2: one captured call per upstream answer, with vLLM's lengths; their ids in order."""
     exchanges = r.exchanges
-    _check_upstream(proxy.recorder, r)
-
-    parents = [token_parent(exchanges, k) for k in range(len(exchanges))]
-    drifted = [k for k in range(1, len(exchanges)) if parents[k] != k - 1]
-
-    # 2. The ledger: one captured call per upstream answer, lengths as vLLM's ids say.
-    detail = audit(proxy, r.rollout_id)
     assert detail["incomplete_events"] == [], detail["incomplete_events"]
     by_response = {c["response_id"]: c for c in detail["calls"]}
     calls = [by_response.get(ex.response.get("id")) for ex in exchanges]
@@ -546,9 +539,16 @@ def check_rollout(proxy: Proxy, r: Rollout) -> Verdict:
         assert call["status"] == "captured", f"{r.name} call {k}: {call}"
         assert call["prompt_len"] == len(ex.prompt), f"{r.name} call {k}: prompt_len"
         assert call["generation_len"] == len(ex.generated), f"{r.name} call {k}: generation_len"
-        call_ids.append(call["model_call_id"])
+        call_ids.append(str(call["model_call_id"]))
+    return call_ids
 
-    # 3. Lineage as vLLM's ids say.
+
+def _check_lineage(
+    r: Rollout, detail: dict[str, Any], call_ids: list[str], parents: list[int | None]
+) -> list[dict[str, Any]]:
+    """Step 3: verified edges exactly to the token parents, drifted edges exactly where the
+    previous turn is not the token parent, at vLLM's first differing position."""
+    exchanges = r.exchanges
     index = {cid: k for k, cid in enumerate(call_ids)}
     edges: dict[tuple[int, str], list[dict[str, Any]]] = {}
     for e in detail["edges"]:
@@ -566,33 +566,39 @@ def check_rollout(proxy: Proxy, r: Rollout) -> Verdict:
                 f"{r.name} call {k}: expected a verified edge to call {parent}: {verified}"
             )
             assert verified[0]["shared_len"] == len(exchanges[parent].cumulative), verified
-        if k in drifted:
-            pos = first_difference(exchanges[k].prompt, exchanges[k - 1].cumulative)
-            assert len(drifts) == 1, (
-                f"{r.name} call {k}: its prompt does not extend call {k - 1}'s tokens (first "
-                f"difference at {pos}) but the ledger stored no drifted edge: {detail['edges']}"
-            )
-            edge = drifts[0]
-            assert index[edge["parent"]] == k - 1 and edge["method"] == "conversation", edge
-            assert edge["mismatch_pos"] == pos, (edge, pos)
-            drift_report.append(
-                {"call": k, "pos": pos, "of": len(exchanges[k - 1].cumulative),
-                 "kind": edge["mismatch_kind"]}
-            )  # fmt: skip
-        else:
+        if parent == k - 1:
             assert not drifts, f"{r.name} call {k}: unexpected drifted edge: {drifts}"
+            continue
+        pos = first_difference(exchanges[k].prompt, exchanges[k - 1].cumulative)
+        assert len(drifts) == 1, (
+            f"{r.name} call {k}: its prompt does not extend call {k - 1}'s tokens (first "
+            f"difference at {pos}) but the ledger stored no drifted edge: {detail['edges']}"
+        )
+        edge = drifts[0]
+        assert index[edge["parent"]] == k - 1 and edge["method"] == "conversation", edge
+        assert edge["mismatch_pos"] == pos, (edge, pos)
+        drift_report.append(
+            {"call": k, "pos": pos, "of": len(exchanges[k - 1].cumulative),
+             "kind": edge["mismatch_kind"]}
+        )  # fmt: skip
+    return drift_report
 
-    # 4. finalize (deliver="one") through the service; the terminal is the last call.
-    terminal = len(exchanges) - 1
-    terminal_id = str(exchanges[terminal].response["id"])
-    main = path_to(parents, terminal)
+
+def _check_delivery(
+    proxy: Proxy, r: Rollout, parents: list[int | None]
+) -> tuple[bool, dict[str, Any], dict[str, Any]]:
+    """Step 4: finalize (deliver="one") through the service, the terminal being the last call:
+    delivered exactly when its token path reaches the first call, and then exactly vLLM's ids;
+    otherwise masked.  Returns (delivered, build, _ng_token_capture)."""
+    exchanges = r.exchanges
+    main = path_to(parents, len(exchanges) - 1)
     expect_delivered = main[0] == 0
     result: dict[str, Any] = {
         "_ng_rollout_id": r.rollout_id,
-        "response": {"id": terminal_id, "output": []},
+        "response": {"id": str(exchanges[-1].response["id"]), "output": []},
     }
     build = finalize_one(proxy, result)
-    capture = result["_ng_token_capture"]
+    capture: dict[str, Any] = result["_ng_token_capture"]
     if expect_delivered:
         assert build["outcome"] == "delivered", (
             r.name, build["outcome"], build["mask_reasons"], parents,
@@ -610,9 +616,29 @@ def check_rollout(proxy: Proxy, r: Rollout) -> Verdict:
             f"first call, yet the ledger delivered it ({build})"
         )
         assert result.get("mask_sample") is True
-        assert build["mask_reasons"], build
+        # The terminal is attributed (its response id); its path starts at a call whose
+        # conversation parent it does not extend: the chain is broken, and each such root is an
+        # unresolved parent (the drift diagnosed in step 3).
+        assert "terminal_broken" in build["mask_reasons"], build
+        drifted_roots = sum(1 for k in range(1, len(parents)) if parents[k] is None)
+        assert capture["unresolved_parent_calls"] == drifted_roots, (capture, drifted_roots)
         assert result["response"]["output"] == [], "a masked rollout must not deliver tokens"
+    return expect_delivered, build, capture
 
+
+def check_rollout(proxy: Proxy, r: Rollout) -> Verdict:
+    """Steps 1-4 of the module docstring for one driven rollout."""
+    exchanges = r.exchanges
+    _check_upstream(proxy.recorder, r)
+    parents = [token_parent(exchanges, k) for k in range(len(exchanges))]
+    detail = audit(proxy, r.rollout_id)
+    call_ids = _check_records(r, detail)
+    drifts = _check_lineage(r, detail, call_ids, parents)
+    delivered, build, capture = _check_delivery(proxy, r, parents)
+    if SUPPLY_PREFIX and "prefix_supply_supplied" in capture:
+        # Each supplied prefix the ledger counts is one vLLM was actually sent (and used, step 1).
+        supplied = sum(ex.supplied_prompt is not None for ex in exchanges)
+        assert capture["prefix_supply_supplied"] == supplied, (capture, supplied)
     summary = {
         "framework": r.framework,
         "name": r.name,
@@ -625,7 +651,7 @@ def check_rollout(proxy: Proxy, r: Rollout) -> Verdict:
         "delivered_fraction": capture.get("delivered_fraction"),
         "tool_calls": sum(ex.tool_calls for ex in exchanges),
         "tool_using": any(ex.tool_calls for ex in exchanges[:-1]),
-        "drifts": drift_report,
+        "drifts": drifts,
         "chains": chains_of(parents),
         "stopped_by": r.stopped_by,
         "seconds": round(r.seconds, 2),
@@ -642,7 +668,8 @@ def check_rollout(proxy: Proxy, r: Rollout) -> Verdict:
             for ex in exchanges
         ],
     }
-    return Verdict(r, terminal_id, chains_of(parents), expect_delivered, summary)
+    terminal_id = str(exchanges[-1].response["id"])
+    return Verdict(r, terminal_id, chains_of(parents), delivered, summary)
 
 
 def collect_all_chains(proxy: Proxy, verdicts: list[Verdict], name: str) -> None:
