@@ -10,7 +10,7 @@ and, third, the release's consumer over the ledger's own frozen snapshot, which 
 deliver exactly as over the release's store.
 
 The mask decision, and for delivered rollouts every output item (token ids, log-probs, text),
-must be equal, except the differences listed in ``docs/gym-differences.md``, each recognised
+must be equal, except the differences listed in ``docs/gym-compatibility.md §8``, each recognised
 here by what the release's build reports and checked on its own terms.  A difference nobody
 documented fails the test with the case's seed.
 
@@ -42,7 +42,7 @@ from tests.test_remote import Service, _serve
 DEFAULT_CASES = 80
 SLOW_CASES = int(os.environ.get("ROLLOUT_LEDGER_DIFF_CASES", "2500"))
 
-# Documented differences (docs/gym-differences.md), by the name the test reports.
+# Documented differences (docs/gym-compatibility.md §8), by the name the test reports.
 FIRST_CALL_RETRY = "ledger_delivers_first_call_retry"
 IDENTICAL_FINAL_RETRY = "ledger_delivers_identical_final_retries"
 REFUSED_CALL_ID = "ledger_refuses_nonconforming_call_id"
