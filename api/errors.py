@@ -47,12 +47,6 @@ COMMON_ERRORS: dict[int | str, dict[str, Any]] = {
 }
 
 
-class StaleSnapshot(StateConflict):
-    """Retire named a snapshot identity the rollout is not frozen at: nothing was retired."""
-
-    code = "stale_snapshot"
-
-
 class BodyTooLarge(Exception):
     """Raised by the body-limit middleware (``api.app.BodyLimit``) when a body passes the limit."""
 

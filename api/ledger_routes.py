@@ -3,10 +3,11 @@ family) with its bodies and answers in ``api.schemas``.  Kept so existing import
 
 from __future__ import annotations
 
-from api.errors import COMMON_ERRORS, StaleSnapshot
+from api.errors import COMMON_ERRORS
 from api.routes import router
 from api.routes.common import CallId, LedgerDep, RolloutId, ledger_of
 from api.schemas import ID_PATTERN, REASON_PATTERN
+from ledger.errors import StaleSnapshot
 
 __all__ = [
     "COMMON_ERRORS",

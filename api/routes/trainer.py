@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import Depends, Path, Request, Response
 
 from api.auth import require
-from api.errors import StaleSnapshot, error_response
+from api.errors import error_response
 from api.limits import encode_entries_off_loop
 from api.routes.common import LedgerDep, RolloutId, ledger_router
 from api.schemas import (
@@ -19,7 +19,7 @@ from api.schemas import (
     RetireOut,
     SnapshotOut,
 )
-from ledger.errors import NotFound, RolloutRetired
+from ledger.errors import NotFound, RolloutRetired, StaleSnapshot
 from ledger.wire import TokenEncoding, finite_json
 
 log = logging.getLogger("rollout_ledger.api.ledger")
