@@ -15,9 +15,9 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from api import errors
 from api.guard import BrowserGuard
 from api.health import HealthCheck
-from api.ledger_routes import router as ledger_router
 from api.limits import discover_context_length, record_token_cap
 from api.metrics import Metrics
+from api.routes import router as ledger_router
 from ledger.config import Settings
 from ledger.redact import install_log_redaction
 from ledger.store import Ledger

@@ -1,4 +1,5 @@
-"""The one place that maps the ledger's exception tree to HTTP status codes."""
+"""The one place that maps the ledger's exception tree to HTTP status codes, and the error
+answers the OpenAPI document names for every ledger route."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
+from api.schemas import ErrorBody
 from ledger.errors import (
     AccessDenied,
     InvalidInput,
@@ -27,6 +29,22 @@ STATUS: list[tuple[type[LedgerError], int]] = [
     (InvalidInput, 422),
     (Unavailable, 503),
 ]
+
+
+def error_response(description: str) -> dict[str, Any]:
+    """An OpenAPI ``responses`` entry: the shared error body with a description."""
+    return {"model": ErrorBody, "description": description}
+
+
+COMMON_ERRORS: dict[int | str, dict[str, Any]] = {
+    401: error_response("Missing or unknown bearer token."),
+    403: error_response("The token lacks the scope this route needs."),
+    413: error_response(
+        "The request body exceeds max_body_bytes, or the record max_record_tokens."
+    ),
+    422: error_response("Invalid input; the message names the failing field."),
+    503: error_response("The database cannot be reached."),
+}
 
 
 class BodyTooLarge(Exception):

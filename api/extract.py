@@ -35,6 +35,7 @@ from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Literal
 
 from api.dialects.common import JSONDict, mapping_or_empty
+from ledger.errors import CaptureFailed
 from ledger.token_rules import check_log_probs, check_token_ids
 
 __all__ = [
@@ -73,7 +74,7 @@ PromptSource = Literal["message_bundle", "inline", "tokenize"]
 GenerationSource = Literal["message_bundle", "inline", "logprobs"]
 
 
-class TokenExtractionError(Exception):
+class TokenExtractionError(CaptureFailed):
     """Capture could not read the tokens; ``reason`` is the incomplete-event reason."""
 
     reason: ClassVar[str] = "capture_failed"

@@ -20,6 +20,10 @@ import typing as _typing
 
 from ledger.errors import (
     AccessDenied,
+    BuildError,
+    BuildInputError,
+    CaptureFailed,
+    ConformanceError,
     InvalidInput,
     InvalidRecord,
     InvalidRolloutId,
@@ -27,8 +31,11 @@ from ledger.errors import (
     NoLedger,
     NotFound,
     PayloadConflict,
+    ProjectionError,
+    RequestRefused,
     RolloutFrozen,
     RolloutRetired,
+    StaleSnapshot,
     StateConflict,
     Unavailable,
     UnsupportedSchemaVersion,
@@ -36,7 +43,7 @@ from ledger.errors import (
 
 if _typing.TYPE_CHECKING:
     from ledger.client import RemoteLedger
-    from ledger.conformance import ConformanceError, run_conformance
+    from ledger.conformance import run_conformance
     from ledger.delivery import finalize_rollout_token_capture, retire_rollout_token_capture
     from ledger.gym import CaptureLineageStore, CaptureSink, CaptureSource
     from ledger.gym_lineage import LineageMatch, LineageResolution, stamp_continuation
@@ -45,6 +52,9 @@ if _typing.TYPE_CHECKING:
 
 __all__ = [
     "AccessDenied",
+    "BuildError",
+    "BuildInputError",
+    "CaptureFailed",
     "CaptureLineageStore",
     "CaptureSink",
     "CaptureSource",
@@ -60,9 +70,12 @@ __all__ = [
     "NotFound",
     "ParentResolutionStatus",
     "PayloadConflict",
+    "ProjectionError",
     "RemoteLedger",
+    "RequestRefused",
     "RolloutFrozen",
     "RolloutRetired",
+    "StaleSnapshot",
     "StateConflict",
     "TokenEntry",
     "Unavailable",
@@ -77,7 +90,6 @@ _LAZY = {
     "CaptureLineageStore": "ledger.gym",
     "CaptureSink": "ledger.gym",
     "CaptureSource": "ledger.gym",
-    "ConformanceError": "ledger.conformance",
     "Ledger": "ledger.store",
     "LineageMatch": "ledger.gym_lineage",
     "LineageResolution": "ledger.gym_lineage",

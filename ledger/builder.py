@@ -74,6 +74,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ledger.errors import BuildInputError
 from ledger.model import BuildPlan, CallView, ChainPlan, Quarantine, TerminalAttribution
 from ledger.terminal import attribute_terminal
 
@@ -107,12 +108,6 @@ _CHAIN_MASK = {"broken": "terminal_broken", "not_captured": "terminal_not_captur
 RECORDED_PARENT_METHOD = "recorded_parent"
 # Boundaries of a call that has no parent edge although its writer did not record a root.
 _BOUNDARY_WITHOUT_PARENT = {"unresolved": "parent_unresolved", "missing": "parent_call_id_missing"}
-
-
-class BuildInputError(ValueError):
-    """The snapshot's call metadata contradicts itself (duplicate call ids, lengths that do not
-    add up, a verified parent longer than its child's prompt).  Nothing can be proven; the
-    caller records a ``build_failed`` plan (see :func:`failed_plan`)."""
 
 
 @dataclass(slots=True)

@@ -352,285 +352,298 @@ def _rollout_table(title: str, items: list[dict[str, Any]]) -> Table:
     return t
 
 
-def register(app: typer.Typer) -> None:
-    audit_app = typer.Typer(
+# --------------------------------------------------------------------------- commands
+
+
+def collect_cmd(
+    input: Annotated[
+        Path,
+        typer.Option(
+            "--input",
+            "-i",
+            help="Rollout results, one JSON object per line (see docs/operations.md).",
+        ),
+    ],
+    output: Annotated[
+        Path,
+        typer.Option(
+            "--output",
+            "-o",
+            help="Rebuilt rollouts (JSONL); appended to, so a re-run resumes. Its directory "
+            "must exist.",
+        ),
+    ],
+    db: DbOption = DEFAULT_DB_URL,
+    config: Annotated[
+        Path | None,
+        typer.Option(help="YAML config; its token_id_capture keys set the limits below."),
+    ] = None,
+    max_mask_fraction: Annotated[
+        float | None,
+        typer.Option(
+            min=0.0,
+            max=1.0,
+            help="Stop when more than this fraction of finalized rollouts is masked "
+            f"(default: token_id_capture.max_mask_fraction, else {DEFAULT_MAX_MASK_FRACTION}; "
+            "1 turns the guard off).",
+            show_default=False,
+        ),
+    ] = None,
+    min_samples: Annotated[
+        int | None,
+        typer.Option(
+            min=0,
+            help="Finalized rollouts before the mask-fraction guard can stop the run "
+            f"(default: token_id_capture.mask_fraction_min_samples, else "
+            f"{DEFAULT_MIN_SAMPLES}).",
+            show_default=False,
+        ),
+    ] = None,
+    concurrency: Annotated[
+        int, typer.Option(min=1, max=256, help="Rollouts finalized at once.", show_default=True)
+    ] = 8,
+    deliver: Annotated[
+        str,
+        typer.Option(
+            help="one: the rollout's terminal chain; all-chains: one row per verified chain.",
+            show_default=True,
+        ),
+    ] = "one",
+    token: TokenOption = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Rebuild rollout results from the ledger, write each durably (fsync), then retire it.
+
+    Stops (exit 1, nothing masked written) when the ledger fails or refuses the token;
+    stops (exit 3) when the mask-fraction guard fires.  Re-run it with the same arguments
+    to resume: written rows are kept, the rest are processed.
+    """
+    from ledger.cli_db import check_db_url
+    from ledger.collect import CollectAborted, CollectFailed, CollectRefused, check_paths
+    from ledger.config import ConfigError, load_settings
+
+    if deliver not in ("one", "all-chains"):
+        fail(f"--deliver must be 'one' or 'all-chains'; got {deliver!r}")
+    try:
+        check_paths(input, output)
+    except CollectRefused as exc:
+        fail(str(exc))
+    try:
+        settings = load_settings(config, db=db if db != DEFAULT_DB_URL else None)
+    except ConfigError as exc:
+        fail(" ".join(str(exc).split()))
+    check_db_url(settings.db, allow_http=True)
+    cap = settings.token_id_capture
+    limit = max_mask_fraction
+    if limit is None and "max_mask_fraction" in cap.model_fields_set:
+        limit = cap.max_mask_fraction
+    elif limit is None:
+        limit = DEFAULT_MAX_MASK_FRACTION
+    floor = min_samples
+    if floor is None:
+        floor = (
+            cap.mask_fraction_min_samples
+            if "mask_fraction_min_samples" in cap.model_fields_set
+            else DEFAULT_MIN_SAMPLES
+        )
+    if limit is not None and limit >= 1.0:
+        limit = None
+    try:
+        report = _collect(
+            settings.db, token, input, output, limit, floor, concurrency, deliver, as_json
+        )
+    except CollectFailed as exc:
+        _print_report(exc.report, as_json)
+        fail(
+            f"{exc} — fix the ledger or the token, then re-run the same command: rows "
+            "already written are kept, the rest are processed",
+            1,
+        )
+    except CollectAborted as exc:
+        _print_report(exc.report, as_json)
+        fail(f"aborted: {exc}", 3)
+    except CollectRefused as exc:
+        fail(str(exc))
+    for line, message in report.malformed_lines:
+        err.print(f"[yellow]warning:[/] {input}:{line}: malformed row skipped: {message}")
+    for line, rid, first in report.duplicate_rows:
+        err.print(
+            f"[yellow]warning:[/] {input}:{line}: rollout {rid} already appears on line "
+            f"{first}; only line {first} is delivered (duplicate rollout id)"
+        )
+    for line, rid in report.already_retired:
+        err.print(
+            f"[yellow]warning:[/] {input}:{line}: rollout {rid} was already delivered and "
+            "retired by an earlier collect; its row is not in this output and cannot be "
+            "rebuilt"
+        )
+    _print_report(report, as_json)
+    if report.already_retired:
+        fail(
+            f"{len(report.already_retired)} rollout(s) were delivered by an earlier run into "
+            f"another output (or one since deleted) and are not in {output}: restore that "
+            "output; their records are retired",
+            1,
+        )
+
+
+def audit_list(
+    db: DbOption = DEFAULT_DB_URL,
+    token: TokenOption = None,
+    state: Annotated[
+        str | None, typer.Option(help="Only this state: open, frozen or retired.")
+    ] = None,
+    outcome: Annotated[
+        str | None, typer.Option(help="Only this latest build: delivered, masked or failed.")
+    ] = None,
+    reason: Annotated[
+        str | None,
+        typer.Option(help="Only rollouts with this mask reason or incomplete cause."),
+    ] = None,
+    since: Annotated[
+        str | None,
+        typer.Option(help="Only rollouts updated since: 30m, 1h, 2d, or an ISO 8601 time."),
+    ] = None,
+    limit: Annotated[
+        int, typer.Option(min=1, max=100_000, help="At most this many rows.", show_default=True)
+    ] = 100,
+    wide: WideFlag = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Rollouts, filtered by state, outcome, reason and time."""
+    if state is not None and state not in ("open", "frozen", "retired"):
+        fail(f"--state must be open, frozen or retired; got {state!r}")
+    if outcome is not None and outcome not in ("delivered", "masked", "failed"):
+        fail(f"--outcome must be delivered, masked or failed; got {outcome!r}")
+    when = parse_since(since)
+
+    async def body(source: Any) -> list[dict[str, Any]]:
+        await _check_reason(source, reason)
+        items: list[dict[str, Any]] = await source.list(
+            state=state, outcome=outcome, reason=reason, since=when, limit=limit
+        )
+        return items
+
+    items = _run(db, token, body)
+    if as_json:
+        print(json.dumps(_jsonable(items), indent=2))
+        return
+    _stdout(wide).print(_rollout_table(f"rollouts ({len(items)})", items))
+
+
+def audit_masked(
+    db: DbOption = DEFAULT_DB_URL,
+    token: TokenOption = None,
+    reason: Annotated[
+        str | None,
+        typer.Option(
+            help="Only this mask reason or incomplete cause (e.g. capture_incomplete, "
+            "missing_token_ids)."
+        ),
+    ] = None,
+    since: Annotated[
+        str | None,
+        typer.Option(help="Only rollouts updated since: 30m, 1h, 2d, or an ISO 8601 time."),
+    ] = None,
+    limit: Annotated[
+        int, typer.Option(min=1, max=100_000, help="At most this many rows.", show_default=True)
+    ] = 100,
+    wide: WideFlag = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """Masked rollouts (latest build masked or failed), with their reasons and causes."""
+    when = parse_since(since)
+
+    async def body(source: Any) -> list[dict[str, Any]]:
+        await _check_reason(source, reason)
+        items: list[dict[str, Any]] = await source.list(
+            masked=True, reason=reason, since=when, limit=limit
+        )
+        return items
+
+    items = _run(db, token, body)
+    if as_json:
+        print(json.dumps(_jsonable(items), indent=2))
+        return
+    _stdout(wide).print(_rollout_table(f"masked rollouts ({len(items)})", items))
+
+
+def audit_show(
+    rollout_id: Annotated[str, typer.Argument(help="The rollout id.")],
+    db: DbOption = DEFAULT_DB_URL,
+    token: TokenOption = None,
+    wide: WideFlag = False,
+    as_json: JsonFlag = False,
+) -> None:
+    """One rollout in full: calls, edges, quarantines, incomplete events, deliveries."""
+
+    async def body(source: Any) -> dict[str, Any]:
+        detail: dict[str, Any] = await source.show(rollout_id)
+        return detail
+
+    detail = _run(db, token, body)
+    if as_json:
+        print(json.dumps(_jsonable(detail), indent=2, default=str))
+        return
+    _print_detail(_stdout(wide), detail)
+
+
+def audit_stats(
+    db: DbOption = DEFAULT_DB_URL,
+    token: TokenOption = None,
+    since: Annotated[
+        str | None,
+        typer.Option(help="Only rollouts updated since: 30m, 1h, 2d, or an ISO 8601 time."),
+    ] = None,
+    as_json: JsonFlag = False,
+) -> None:
+    """Counts by state, outcome and reason; mask fraction; delivered-fraction distribution."""
+    when = parse_since(since)
+
+    async def body(source: Any) -> dict[str, Any]:
+        stats: dict[str, Any] = await source.stats(when)
+        return stats
+
+    stats = _run(db, token, body)
+    if as_json:
+        print(json.dumps(stats, indent=2))
+        return
+    t = Table(title="ledger statistics", title_justify="left")
+    t.add_column("metric")
+    t.add_column("value", justify="right")
+    for section in (
+        "rollouts_by_state",
+        "builds_by_outcome",
+        "mask_reasons",
+        "incomplete_events_by_reason",
+        "delivered_fraction_histogram",
+        "chains_histogram",
+    ):
+        for key, n in stats[section].items():
+            if n:  # a histogram's empty buckets say nothing
+                t.add_row(f"{section}: {key}", str(n))
+    mf = stats["mask_fraction"]
+    t.add_row("mask fraction", "n/a" if mf is None else f"{mf:.1%}")
+    _stdout(True).print(t)
+
+
+def audit_app() -> typer.Typer:
+    """The ``audit`` sub-app: its commands, in the order ``--help`` lists them."""
+    sub = typer.Typer(
         help="Why were rollouts masked? Read the ledger (never changes it).",
         no_args_is_help=True,
     )
+    sub.command("list")(audit_list)
+    sub.command("masked")(audit_masked)
+    sub.command("show")(audit_show)
+    sub.command("stats")(audit_stats)
+    return sub
 
-    @app.command("collect")
-    def collect_cmd(
-        input: Annotated[
-            Path,
-            typer.Option(
-                "--input",
-                "-i",
-                help="Rollout results, one JSON object per line (see docs/operations.md).",
-            ),
-        ],
-        output: Annotated[
-            Path,
-            typer.Option(
-                "--output",
-                "-o",
-                help="Rebuilt rollouts (JSONL); appended to, so a re-run resumes. Its directory "
-                "must exist.",
-            ),
-        ],
-        db: DbOption = DEFAULT_DB_URL,
-        config: Annotated[
-            Path | None,
-            typer.Option(help="YAML config; its token_id_capture keys set the limits below."),
-        ] = None,
-        max_mask_fraction: Annotated[
-            float | None,
-            typer.Option(
-                min=0.0,
-                max=1.0,
-                help="Stop when more than this fraction of finalized rollouts is masked "
-                f"(default: token_id_capture.max_mask_fraction, else {DEFAULT_MAX_MASK_FRACTION}; "
-                "1 turns the guard off).",
-                show_default=False,
-            ),
-        ] = None,
-        min_samples: Annotated[
-            int | None,
-            typer.Option(
-                min=0,
-                help="Finalized rollouts before the mask-fraction guard can stop the run "
-                f"(default: token_id_capture.mask_fraction_min_samples, else "
-                f"{DEFAULT_MIN_SAMPLES}).",
-                show_default=False,
-            ),
-        ] = None,
-        concurrency: Annotated[
-            int, typer.Option(min=1, max=256, help="Rollouts finalized at once.", show_default=True)
-        ] = 8,
-        deliver: Annotated[
-            str,
-            typer.Option(
-                help="one: the rollout's terminal chain; all-chains: one row per verified chain.",
-                show_default=True,
-            ),
-        ] = "one",
-        token: TokenOption = None,
-        as_json: JsonFlag = False,
-    ) -> None:
-        """Rebuild rollout results from the ledger, write each durably (fsync), then retire it.
 
-        Stops (exit 1, nothing masked written) when the ledger fails or refuses the token;
-        stops (exit 3) when the mask-fraction guard fires.  Re-run it with the same arguments
-        to resume: written rows are kept, the rest are processed.
-        """
-        from ledger.cli_db import check_db_url
-        from ledger.collect import CollectAborted, CollectFailed, CollectRefused, check_paths
-        from ledger.config import ConfigError, load_settings
-
-        if deliver not in ("one", "all-chains"):
-            fail(f"--deliver must be 'one' or 'all-chains'; got {deliver!r}")
-        try:
-            check_paths(input, output)
-        except CollectRefused as exc:
-            fail(str(exc))
-        try:
-            settings = load_settings(config, db=db if db != DEFAULT_DB_URL else None)
-        except ConfigError as exc:
-            fail(" ".join(str(exc).split()))
-        check_db_url(settings.db, allow_http=True)
-        cap = settings.token_id_capture
-        limit = max_mask_fraction
-        if limit is None and "max_mask_fraction" in cap.model_fields_set:
-            limit = cap.max_mask_fraction
-        elif limit is None:
-            limit = DEFAULT_MAX_MASK_FRACTION
-        floor = min_samples
-        if floor is None:
-            floor = (
-                cap.mask_fraction_min_samples
-                if "mask_fraction_min_samples" in cap.model_fields_set
-                else DEFAULT_MIN_SAMPLES
-            )
-        if limit is not None and limit >= 1.0:
-            limit = None
-        try:
-            report = _collect(
-                settings.db, token, input, output, limit, floor, concurrency, deliver, as_json
-            )
-        except CollectFailed as exc:
-            _print_report(exc.report, as_json)
-            fail(
-                f"{exc} — fix the ledger or the token, then re-run the same command: rows "
-                "already written are kept, the rest are processed",
-                1,
-            )
-        except CollectAborted as exc:
-            _print_report(exc.report, as_json)
-            fail(f"aborted: {exc}", 3)
-        except CollectRefused as exc:
-            fail(str(exc))
-        for line, message in report.malformed_lines:
-            err.print(f"[yellow]warning:[/] {input}:{line}: malformed row skipped: {message}")
-        for line, rid, first in report.duplicate_rows:
-            err.print(
-                f"[yellow]warning:[/] {input}:{line}: rollout {rid} already appears on line "
-                f"{first}; only line {first} is delivered (duplicate rollout id)"
-            )
-        for line, rid in report.already_retired:
-            err.print(
-                f"[yellow]warning:[/] {input}:{line}: rollout {rid} was already delivered and "
-                "retired by an earlier collect; its row is not in this output and cannot be "
-                "rebuilt"
-            )
-        _print_report(report, as_json)
-        if report.already_retired:
-            fail(
-                f"{len(report.already_retired)} rollout(s) were delivered by an earlier run into "
-                f"another output (or one since deleted) and are not in {output}: restore that "
-                "output; their records are retired",
-                1,
-            )
-
-    @audit_app.command("list")
-    def audit_list(
-        db: DbOption = DEFAULT_DB_URL,
-        token: TokenOption = None,
-        state: Annotated[
-            str | None, typer.Option(help="Only this state: open, frozen or retired.")
-        ] = None,
-        outcome: Annotated[
-            str | None, typer.Option(help="Only this latest build: delivered, masked or failed.")
-        ] = None,
-        reason: Annotated[
-            str | None,
-            typer.Option(help="Only rollouts with this mask reason or incomplete cause."),
-        ] = None,
-        since: Annotated[
-            str | None,
-            typer.Option(help="Only rollouts updated since: 30m, 1h, 2d, or an ISO 8601 time."),
-        ] = None,
-        limit: Annotated[
-            int, typer.Option(min=1, max=100_000, help="At most this many rows.", show_default=True)
-        ] = 100,
-        wide: WideFlag = False,
-        as_json: JsonFlag = False,
-    ) -> None:
-        """Rollouts, filtered by state, outcome, reason and time."""
-        if state is not None and state not in ("open", "frozen", "retired"):
-            fail(f"--state must be open, frozen or retired; got {state!r}")
-        if outcome is not None and outcome not in ("delivered", "masked", "failed"):
-            fail(f"--outcome must be delivered, masked or failed; got {outcome!r}")
-        when = parse_since(since)
-
-        async def body(source: Any) -> list[dict[str, Any]]:
-            await _check_reason(source, reason)
-            items: list[dict[str, Any]] = await source.list(
-                state=state, outcome=outcome, reason=reason, since=when, limit=limit
-            )
-            return items
-
-        items = _run(db, token, body)
-        if as_json:
-            print(json.dumps(_jsonable(items), indent=2))
-            return
-        _stdout(wide).print(_rollout_table(f"rollouts ({len(items)})", items))
-
-    @audit_app.command("masked")
-    def audit_masked(
-        db: DbOption = DEFAULT_DB_URL,
-        token: TokenOption = None,
-        reason: Annotated[
-            str | None,
-            typer.Option(
-                help="Only this mask reason or incomplete cause (e.g. capture_incomplete, "
-                "missing_token_ids)."
-            ),
-        ] = None,
-        since: Annotated[
-            str | None,
-            typer.Option(help="Only rollouts updated since: 30m, 1h, 2d, or an ISO 8601 time."),
-        ] = None,
-        limit: Annotated[
-            int, typer.Option(min=1, max=100_000, help="At most this many rows.", show_default=True)
-        ] = 100,
-        wide: WideFlag = False,
-        as_json: JsonFlag = False,
-    ) -> None:
-        """Masked rollouts (latest build masked or failed), with their reasons and causes."""
-        when = parse_since(since)
-
-        async def body(source: Any) -> list[dict[str, Any]]:
-            await _check_reason(source, reason)
-            items: list[dict[str, Any]] = await source.list(
-                masked=True, reason=reason, since=when, limit=limit
-            )
-            return items
-
-        items = _run(db, token, body)
-        if as_json:
-            print(json.dumps(_jsonable(items), indent=2))
-            return
-        _stdout(wide).print(_rollout_table(f"masked rollouts ({len(items)})", items))
-
-    @audit_app.command("show")
-    def audit_show(
-        rollout_id: Annotated[str, typer.Argument(help="The rollout id.")],
-        db: DbOption = DEFAULT_DB_URL,
-        token: TokenOption = None,
-        wide: WideFlag = False,
-        as_json: JsonFlag = False,
-    ) -> None:
-        """One rollout in full: calls, edges, quarantines, incomplete events, deliveries."""
-
-        async def body(source: Any) -> dict[str, Any]:
-            detail: dict[str, Any] = await source.show(rollout_id)
-            return detail
-
-        detail = _run(db, token, body)
-        if as_json:
-            print(json.dumps(_jsonable(detail), indent=2, default=str))
-            return
-        _print_detail(_stdout(wide), detail)
-
-    @audit_app.command("stats")
-    def audit_stats(
-        db: DbOption = DEFAULT_DB_URL,
-        token: TokenOption = None,
-        since: Annotated[
-            str | None,
-            typer.Option(help="Only rollouts updated since: 30m, 1h, 2d, or an ISO 8601 time."),
-        ] = None,
-        as_json: JsonFlag = False,
-    ) -> None:
-        """Counts by state, outcome and reason; mask fraction; delivered-fraction distribution."""
-        when = parse_since(since)
-
-        async def body(source: Any) -> dict[str, Any]:
-            stats: dict[str, Any] = await source.stats(when)
-            return stats
-
-        stats = _run(db, token, body)
-        if as_json:
-            print(json.dumps(stats, indent=2))
-            return
-        t = Table(title="ledger statistics", title_justify="left")
-        t.add_column("metric")
-        t.add_column("value", justify="right")
-        for section in (
-            "rollouts_by_state",
-            "builds_by_outcome",
-            "mask_reasons",
-            "incomplete_events_by_reason",
-            "delivered_fraction_histogram",
-            "chains_histogram",
-        ):
-            for key, n in stats[section].items():
-                if n:  # a histogram's empty buckets say nothing
-                    t.add_row(f"{section}: {key}", str(n))
-        mf = stats["mask_fraction"]
-        t.add_row("mask fraction", "n/a" if mf is None else f"{mf:.1%}")
-        _stdout(True).print(t)
-
-    app.add_typer(audit_app, name="audit")
+def register(app: typer.Typer) -> None:
+    """Register ``collect`` and the ``audit`` sub-app on the main app (``ledger.cli``)."""
+    app.command("collect")(collect_cmd)
+    app.add_typer(audit_app(), name="audit")
 
 
 def _collect(

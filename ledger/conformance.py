@@ -19,6 +19,7 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+from ledger.errors import ConformanceError
 from ledger.gym_lineage import stamp_continuation
 from ledger.records import ParentResolutionStatus, TokenEntry, gym_token_digest
 
@@ -39,16 +40,6 @@ CHECKS = (
     "fresh_client_lineage_visibility",
     "begin_call_custody",
 )
-
-
-class ConformanceError(AssertionError):
-    """A conformance check failed; ``check`` names it."""
-
-    def __init__(self, check: str, detail: str) -> None:
-        super().__init__(f"{check}: {detail}")
-        self.check = check
-        self.check_name = check
-        self.detail = detail
 
 
 REQUEST: list[dict[str, Any]] = [{"role": "user", "content": "What is the weather in Paris?"}]

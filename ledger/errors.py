@@ -10,18 +10,44 @@
     ├── StateConflict                             the ledger's state forbids it  → 409 / 410
     │   ├── PayloadConflict                       same call id, different bytes  → 409
     │   ├── RolloutFrozen                         write after freeze             → 409
-    │   └── RolloutRetired                        anything after retire          → 410
-    └── Unavailable                               the database cannot be reached → 503
-        └── NoLedger                              no ledger schema at that URL   → 503
+    │   ├── RolloutRetired                        anything after retire          → 410
+    │   └── StaleSnapshot                         retire at another snapshot     → 409
+    ├── Unavailable                               the database cannot be reached → 503
+    │   └── NoLedger                              no ledger schema at that URL   → 503
+    ├── BuildError (also a ValueError)            a snapshot that cannot be built: the build
+    │   │                                         is masked (``build_failed``), never raised
+    │   ├── BuildInputError                       contradictory call metadata (ledger.builder)
+    │   └── ProjectionError                       no contiguous chain (ledger.projection)
+    ├── ConformanceError (also an AssertionError) a conformance check failed (ledger.conformance)
+    ├── RequestRefused (also a ValueError)        a harness request the capture proxy cannot
+    │                                             send upstream → 400 in the harness's dialect
+    │                                             (api.dialects: DialectError, InvalidRequest,
+    │                                             UnsupportedRequest)
+    └── CaptureFailed                             an answer whose tokens cannot be read: the
+                                                  rollout is marked incomplete with ``reason``,
+                                                  the call is still answered (api.extract:
+                                                  TokenExtractionError, MissingTokenIds,
+                                                  MalformedTokenPayload)
+
+Classes defined elsewhere keep their home module's name as an alias (``ledger.builder``,
+``ledger.projection``, ``ledger.conformance`` re-export theirs from here).  Errors that are not
+refusals of the ledger stay outside the tree on purpose: configuration and command-line errors
+(``ConfigError``, ``CliError``, ``CollectAborted``/``CollectRefused``), body-size and JSON
+parsing limits of the web layer, and private control-flow exceptions.
 
 Driver errors are translated into this tree once, in ``ledger.store``; routes map the tree to
-HTTP status codes once, in ``api.errors``.
+HTTP status codes once, in ``api.errors`` (a branch without a status there, such as
+``BuildError``, is a 500 if it ever escapes).
 """
 
 from __future__ import annotations
 
 __all__ = [
     "AccessDenied",
+    "BuildError",
+    "BuildInputError",
+    "CaptureFailed",
+    "ConformanceError",
     "InvalidInput",
     "InvalidRecord",
     "InvalidRolloutId",
@@ -29,8 +55,11 @@ __all__ = [
     "NoLedger",
     "NotFound",
     "PayloadConflict",
+    "ProjectionError",
+    "RequestRefused",
     "RolloutFrozen",
     "RolloutRetired",
+    "StaleSnapshot",
     "StateConflict",
     "Unavailable",
     "UnsupportedSchemaVersion",
@@ -96,6 +125,12 @@ class RolloutRetired(StateConflict):
     code = "rollout_retired"
 
 
+class StaleSnapshot(StateConflict):
+    """Retire named a snapshot identity the rollout is not frozen at: nothing was retired."""
+
+    code = "stale_snapshot"
+
+
 class Unavailable(LedgerError):
     """The database could not be reached or did not answer in time."""
 
@@ -109,3 +144,50 @@ class NoLedger(Unavailable):
     """
 
     code = "no_ledger"
+
+
+class BuildError(LedgerError, ValueError):
+    """A frozen snapshot cannot be built into a trainable rollout; the build is masked."""
+
+    code = "build_failed"
+
+
+class BuildInputError(BuildError):
+    """The snapshot's call metadata contradicts itself (duplicate call ids, lengths that do not
+    add up, a verified parent longer than its child's prompt).  Nothing can be proven; the
+    caller records a ``build_failed`` plan (see :func:`ledger.builder.failed_plan`)."""
+
+    code = "build_input"
+
+
+class ProjectionError(BuildError):
+    """The chain cannot be projected, or a projected response is not prefix-contiguous."""
+
+    code = "projection_failed"
+
+
+class ConformanceError(LedgerError, AssertionError):
+    """A conformance check failed; ``check`` names it."""
+
+    code = "conformance_failed"
+
+    def __init__(self, check: str, detail: str) -> None:
+        super().__init__(f"{check}: {detail}")
+        self.check = check
+        self.check_name = check
+        self.detail = detail
+
+
+class RequestRefused(LedgerError, ValueError):
+    """A harness request the capture proxy cannot send upstream; nothing was dispatched.
+
+    The proxy's translation layer raises its subclasses (``api.dialects.DialectError``)."""
+
+    code = "request_refused"
+
+
+class CaptureFailed(LedgerError):
+    """The tokens of an upstream answer cannot be read; ``reason`` is the incomplete-event
+    reason.  The proxy's extraction raises its subclasses (``api.extract``)."""
+
+    code = "capture_failed"

@@ -20,6 +20,7 @@ import copy
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from ledger.errors import ProjectionError
 from ledger.model import ChainLinkTokens
 
 __all__ = ["ProjectionError", "assert_prefix_contiguous", "project_chain"]
@@ -31,10 +32,6 @@ TOKEN_FIELDS = (
     "generation_log_probs",
     "routed_experts",
 )
-
-
-class ProjectionError(ValueError):
-    """The chain cannot be projected, or a projected response is not prefix-contiguous."""
 
 
 def project_chain(rollout_id: str, links: Sequence[ChainLinkTokens], model: str) -> dict[str, Any]:

@@ -3,9 +3,10 @@
 Everything under ``api.dialects`` is pure: dicts in, dicts (or bytes) out, no I/O.  The
 exception tree is::
 
-    DialectError (ValueError)          a harness request the proxy cannot send upstream: 400
-    ├── InvalidRequest                 the body is malformed for its dialect
-    └── UnsupportedRequest             well-formed, but capture cannot serve it (n != 1, ...)
+    ledger.errors.RequestRefused (a LedgerError and a ValueError)
+    └── DialectError                   a harness request the proxy cannot send upstream: 400
+        ├── InvalidRequest             the body is malformed for its dialect
+        └── UnsupportedRequest         well-formed, but capture cannot serve it (n != 1, ...)
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import json
 from collections.abc import Mapping
 from enum import StrEnum
 from typing import Any
+
+from ledger.errors import RequestRefused
 
 __all__ = [
     "Dialect",
@@ -43,7 +46,7 @@ class Dialect(StrEnum):
     ANTHROPIC = "anthropic"
 
 
-class DialectError(ValueError):
+class DialectError(RequestRefused):
     """A harness request that cannot be sent upstream; the message says what to change.
 
     ``param`` names the offending request field when there is one (OpenAI error envelopes

@@ -16,7 +16,9 @@ from fastapi.responses import FileResponse, RedirectResponse
 from fastapi.staticfiles import StaticFiles
 
 from api.auth import require
-from api.ledger_routes import COMMON_ERRORS, ID_PATTERN, REASON_PATTERN, LedgerDep, RolloutId
+from api.errors import COMMON_ERRORS
+from api.routes.common import LedgerDep, RolloutId
+from api.schemas import ID_PATTERN, REASON_PATTERN
 from api.ui.tokens import Decoder
 from ledger.audit_views import AuditViews, DriftWindow
 from ledger.ids import MAX_ROLLOUT_ID_LEN

@@ -1,0 +1,487 @@
+"""Training capture of one generating call (design §5.1, §5.2): an intent is recorded before
+dispatch (if it cannot be, the call fails with 503 and nothing goes upstream), the upstream is
+asked for token ids, the record is committed before the harness gets its answer.  Capture
+never fails the call: a response without ids, a malformed payload or a failed write marks the
+rollout incomplete with its reason.  The one exception is prefix supply (``api.prefix``): a
+call whose required prefix the engine did not prove fails.  An upstream attempt that put
+nothing in front of the harness stays open for a retry of the same request to cancel it
+(issue 11); a refused connection is retried once here.
+
+What differs by dialect comes from the call's ``DialectHandler`` (``api.proxy.handlers``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import orjson
+from fastapi import Request, Response
+from fastapi.responses import JSONResponse
+
+from api import dialects as d
+from api import prefix
+from api.extract import (
+    MalformedTokenPayload,
+    StrippedResponse,
+    TokenExtractionError,
+    TokenPayload,
+    extract_chat_tokens,
+    extract_completion_tokens,
+    strip_chat_response,
+    strip_completion_response,
+    tokenize_request_body,
+    with_tokenized_prompt,
+)
+from api.limits import parse_json_body
+from api.metrics import Metrics
+from api.proxy.handlers import HANDLERS, DialectHandler
+from api.proxy.headers import auth_headers, json_headers
+from api.proxy.reply import custody_failure, error_response, harness_answer, unreadable_answer
+from ledger.config import Settings
+from ledger.errors import LedgerError, RolloutFrozen
+from ledger.fingerprint import continuation_fingerprint, model_authored_fingerprint
+from ledger.store import Ledger
+
+log = logging.getLogger("rollout_ledger.proxy")
+
+
+@dataclass(frozen=True, slots=True)
+class CallContext:
+    rollout_id: str
+    model_call_id: str
+    handler: DialectHandler
+    route: str
+    request_fingerprint: str
+    request_items: list[dict[str, Any]]
+    metrics: Metrics
+    # Extra record fields (prefix supply's flags and context digest).
+    record_extra: dict[str, Any] = field(default_factory=dict)
+    # Digest of the harness's request bytes: an SDK retry sends the same bytes (issue 11).
+    retry_key: str = ""
+
+    @property
+    def dialect(self) -> d.Dialect:
+        return self.handler.dialect
+
+
+async def capture(
+    request: Request,
+    rollout_id: str,
+    rest: str,
+    settings: Settings,
+    handler: DialectHandler,
+) -> Response:
+    """One generating call: intent, upstream, record, answer (see the module docstring)."""
+    dialect = handler.dialect
+    ledger: Ledger = request.app.state.ledger
+    metrics: Metrics = request.app.state.metrics
+    raw = await request.body()
+    try:
+        body = await parse_json_body(raw)
+        if not isinstance(body, dict):
+            raise d.InvalidRequest("the request body must be a JSON object")
+        upstream = handler.build_upstream(body, sampling_overrides=settings.sampling_overrides)
+        payload = _json_bytes(upstream.body)
+    except Exception as exc:  # nothing was dispatched: refuse with a 400 that says why
+        error = _request_error(exc)
+        metrics.proxy_calls.labels(dialect.value, "bad_request").inc()
+        reply = d.request_error_reply(dialect, error)
+        return error_response(reply, stream=False, handler=handler)
+    items = handler.request_items(body)
+    ctx = CallContext(
+        rollout_id=rollout_id,
+        model_call_id=uuid.uuid4().hex,
+        handler=handler,
+        route=f"POST {rest}",
+        request_fingerprint=_fingerprint(items),
+        request_items=items,
+        metrics=metrics,
+        retry_key=hashlib.sha256(f"{rest}\n".encode() + raw).hexdigest(),
+    )
+    plan: prefix.PrefixPlan | None = None
+    if settings.supply_prefix_token_ids:
+        upstream, plan = await prefix.prepare(
+            ledger=ledger,
+            client=request.app.state.upstream,
+            headers=auth_headers(request),
+            rollout_id=rollout_id,
+            fingerprint=ctx.request_fingerprint,
+            upstream=upstream,
+            backend=settings.prefix_supply_backend,
+            metrics=metrics,
+        )
+        payload = _json_bytes(upstream.body)
+        ctx.record_extra.update(prefix.record_fields(upstream, plan))
+    try:
+        await ledger.begin_call(
+            rollout_id, ctx.model_call_id, route=ctx.route, model=str(body.get("model") or "")
+        )
+    except LedgerError as exc:
+        metrics.proxy_calls.labels(dialect.value, "no_custody").inc()
+        log.error("intent not recorded rollout=%s call=%s: %s", rollout_id, ctx.model_call_id, exc)
+        return custody_failure(handler, exc)
+    answer = await _call_upstream(request, ctx, upstream, payload, metrics)
+    if isinstance(answer, Response):
+        return answer
+    if plan is not None and plan.requested:
+        unproven = await _prove_prefix(ledger, ctx, plan, answer, upstream)
+        if unproven is not None:
+            return unproven
+    stripped = await _record(request, ctx, upstream, answer, ledger, metrics)
+    await _settle_retried(ledger, ctx)
+    try:
+        response = harness_answer(handler, upstream, stripped.harness_body, body)
+    except Exception as exc:  # a 200 without a usable choice: an upstream error, not ours
+        log.warning("unanswerable upstream answer rollout=%s: %s", rollout_id, exc)
+        metrics.upstream_errors.labels("bad_answer").inc()
+        return unreadable_answer(handler, upstream, f"{type(exc).__name__}: {exc}")
+    metrics.proxy_calls.labels(dialect.value, "ok").inc()
+    return response
+
+
+def _loads(raw: bytes) -> Any:
+    """Parse JSON with orjson (C; about a third of the stdlib's time on a 16k-token answer); the
+    stdlib parser only for what orjson refuses but Python's accepts (NaN, lone surrogates), so
+    what is accepted is unchanged."""
+    try:
+        return orjson.loads(raw)
+    except orjson.JSONDecodeError:
+        return json.loads(raw)
+
+
+def _json_bytes(value: Any) -> bytes:
+    """``value`` as the JSON the upstream gets; NaN, infinities and unpaired surrogates (which
+    Python's parser accepts) cannot be sent, so they are the harness's error, not ours."""
+    try:
+        text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
+        return text.encode("utf-8")
+    except ValueError as exc:  # UnicodeEncodeError is a ValueError
+        raise d.InvalidRequest(
+            f"the request body holds a value JSON cannot carry (NaN, Infinity or an unpaired "
+            f"surrogate such as \\ud800): {exc}"
+        ) from exc
+
+
+def _request_error(exc: Exception) -> d.DialectError:
+    """The 400 for a request body the proxy cannot send upstream."""
+    if isinstance(exc, d.DialectError):
+        return exc
+    if isinstance(exc, ValueError):  # json.JSONDecodeError, UnicodeDecodeError
+        return d.InvalidRequest(f"the request body is not valid JSON: {exc}")
+    # A shape the translators did not foresee (a number where an object belongs, ...).
+    log.warning("untranslatable request body: %s: %s", type(exc).__name__, exc)
+    return d.InvalidRequest(
+        f"the request body has a shape the proxy cannot translate ({type(exc).__name__}: "
+        f"{exc}); check it against the API's request schema"
+    )
+
+
+def _fingerprint(items: list[dict[str, Any]]) -> str:
+    try:
+        return model_authored_fingerprint(items)
+    except (TypeError, ValueError):
+        return ""
+
+
+async def _call_upstream(
+    request: Request,
+    ctx: CallContext,
+    upstream: d.UpstreamRequest,
+    payload: bytes,
+    metrics: Metrics,
+) -> dict[str, Any] | Response:
+    """POST upstream; on failure answer in the dialect and settle the intent."""
+    client: httpx.AsyncClient = request.app.state.upstream
+    ledger: Ledger = request.app.state.ledger
+    started = time.perf_counter()
+    try:
+        resp = await _post_upstream(client, upstream.path, payload, json_headers(request), metrics)
+        raw = resp.content
+    except (httpx.HTTPError, ConnectionError) as exc:
+        timeout = isinstance(exc, httpx.TimeoutException)
+        kind = "timeout" if timeout else "transport"
+        metrics.upstream_errors.labels(kind).inc()
+        await _failed_attempt(ledger, ctx, f"{kind}: {exc}")
+        reply = d.transport_error_reply(ctx.dialect, timeout=timeout, detail=str(exc) or kind)
+        return error_response(reply, stream=upstream.stream, handler=ctx.handler)
+    finally:
+        metrics.upstream_seconds.labels(upstream.path).observe(time.perf_counter() - started)
+    if resp.status_code >= 400:
+        error = d.parse_upstream_error(resp.status_code, raw)
+        metrics.upstream_errors.labels(str(resp.status_code)).inc()
+        if resp.status_code < 500:
+            # The engine refused the request: nothing was generated, so the intent is closed.
+            await _cancel(ledger, ctx)
+        else:
+            await _failed_attempt(ledger, ctx, f"HTTP {resp.status_code}: {error.message}")
+        reply = d.upstream_error_reply(ctx.dialect, error)
+        return error_response(reply, stream=upstream.stream, handler=ctx.handler)
+    try:
+        answer = _loads(raw)
+        if not isinstance(answer, dict):
+            raise ValueError("not a JSON object")
+    except ValueError as exc:
+        metrics.upstream_errors.labels("bad_json").inc()
+        await _settle(ledger, ctx, "malformed_token_payload", f"upstream answer is not JSON: {exc}")
+        return unreadable_answer(ctx.handler, upstream, "not a JSON object")
+    return answer
+
+
+async def _post_upstream(
+    client: httpx.AsyncClient,
+    path: str,
+    payload: bytes,
+    headers: dict[str, str],
+    metrics: Metrics,
+) -> httpx.Response:
+    """POST a generating request; a refused connection (nothing was sent, so nothing can have
+    been generated) is retried once, at once."""
+    try:
+        return await client.post(path, content=payload, headers=headers)
+    except httpx.ConnectError:
+        metrics.upstream_retries.inc()
+        return await client.post(path, content=payload, headers=headers)
+
+
+async def _failed_attempt(ledger: Ledger, ctx: CallContext, detail: str) -> None:
+    """An upstream attempt that put nothing in front of the harness (a transport failure or a
+    5xx; the proxy never streams a partial answer): its intent stays open with a note.  A
+    successful retry of the same request cancels it; otherwise freeze counts it as a lost
+    call (``upstream_error``).  If the note cannot be written the rollout is marked now."""
+    try:
+        noted = await ledger.note_failed_attempt(
+            ctx.rollout_id,
+            ctx.model_call_id,
+            reason="upstream_error",
+            detail=detail,
+            retry_key=ctx.retry_key,
+        )
+    except RolloutFrozen:
+        return
+    except Exception as exc:  # LedgerError or unexpected: fall back to the immediate mark
+        log.error("could not note failed attempt rollout=%s: %s", ctx.rollout_id, exc)
+        noted = False
+    if noted:
+        ctx.metrics.failed_attempts.inc()
+        log.warning(
+            "rollout=%s call=%s upstream attempt failed without output (%s); a successful "
+            "retry cancels it",
+            ctx.rollout_id,
+            ctx.model_call_id,
+            detail[:300],
+        )
+    else:
+        await _settle(ledger, ctx, "upstream_error", detail)
+
+
+async def _settle_retried(ledger: Ledger, ctx: CallContext) -> None:
+    """This call succeeded: earlier failed attempts of the same request are cancelled."""
+    try:
+        settled = await ledger.settle_failed_attempts(ctx.rollout_id, ctx.retry_key)
+    except LedgerError as exc:  # they stay open and mask at freeze: safe
+        log.warning("could not settle retried attempts rollout=%s: %s", ctx.rollout_id, exc)
+        return
+    if settled:
+        ctx.metrics.retried_attempts.inc(len(settled))
+        log.info("rollout=%s retried attempts cancelled: %s", ctx.rollout_id, settled)
+
+
+async def _prove_prefix(
+    ledger: Ledger,
+    ctx: CallContext,
+    plan: prefix.PrefixPlan,
+    answer: dict[str, Any],
+    upstream: d.UpstreamRequest,
+) -> Response | None:
+    """Fail the model call unless the engine proved it generated over the required prefix
+    (design §4.9): the answer is not recorded and the rollout is marked incomplete."""
+    problem = prefix.check_answer(plan, answer)
+    if problem is None:
+        ctx.record_extra["prefix_supplied"] = True
+        ctx.metrics.prefix_supplied.inc()
+        return None
+    ctx.metrics.upstream_errors.labels("prefix_unproven").inc()
+    await _settle(ledger, ctx, "prefix_supply_unproven", problem)
+    error = d.UpstreamError(status=502, message=f"prefix supply failed: {problem}")
+    reply = d.upstream_error_reply(ctx.dialect, error)
+    return error_response(reply, stream=upstream.stream, handler=ctx.handler)
+
+
+async def _settle(ledger: Ledger, ctx: CallContext, reason: str, detail: str) -> None:
+    """Mark the rollout incomplete; a failure to do so is logged, never raised."""
+    try:
+        await ledger.mark_incomplete(
+            ctx.rollout_id, ctx.model_call_id, reason=reason, detail=detail
+        )
+    except RolloutFrozen:
+        pass
+    except Exception as exc:  # LedgerError or unexpected: logged, the call goes on
+        log.error("could not mark rollout=%s incomplete (%s): %s", ctx.rollout_id, reason, exc)
+    else:
+        ctx.metrics.incomplete.labels(reason).inc()
+        log.warning(
+            "rollout=%s call=%s marked incomplete: %s (%s)",
+            ctx.rollout_id,
+            ctx.model_call_id,
+            reason,
+            detail[:300],
+        )
+
+
+async def _cancel(ledger: Ledger, ctx: CallContext) -> None:
+    try:
+        await ledger.cancel_call(ctx.rollout_id, ctx.model_call_id)
+    except LedgerError as exc:
+        log.warning(
+            "could not cancel intent rollout=%s call=%s: %s", ctx.rollout_id, ctx.model_call_id, exc
+        )
+
+
+async def _record(
+    request: Request,
+    ctx: CallContext,
+    upstream: d.UpstreamRequest,
+    answer: dict[str, Any],
+    ledger: Ledger,
+    metrics: Metrics,
+) -> StrippedResponse:
+    """Extract, cross-check and commit the call's record; never raises."""
+    chat = HANDLERS[upstream.dialect].chat_answer
+    strip = strip_chat_response if chat else strip_completion_response
+    stripped = strip(answer, keep_logprobs=upstream.keep_logprobs)
+    try:
+        payload = (extract_chat_tokens if chat else extract_completion_tokens)(answer)
+        if payload.needs_tokenize:
+            payload = await _tokenize(request, upstream, payload, answer)
+    except TokenExtractionError as exc:
+        await _settle(ledger, ctx, exc.reason, str(exc))
+        return stripped
+    except Exception as exc:  # a capture bug must not fail the model call (§4.9)
+        log.exception("extraction failed rollout=%s call=%s", ctx.rollout_id, ctx.model_call_id)
+        await _settle(ledger, ctx, "capture_failed", f"{type(exc).__name__}: {exc}")
+        return stripped
+    if chat:
+        stripped = _as_response_items(stripped)
+    record = _entry(ctx, payload, stripped, answer)
+    try:
+        cont = continuation_fingerprint(ctx.request_items, ctx.handler.echoed_output(stripped))
+    except Exception:  # best effort: without it only drift goes undiagnosed
+        cont = ""
+    try:
+        result = await ledger.put(
+            record,
+            route=ctx.route,
+            request_fingerprint=ctx.request_fingerprint,
+            continuation_fingerprint=cont,
+        )
+        log.info(
+            "captured rollout=%s call=%s dialect=%s prompt=%d gen=%d parent=%s",
+            ctx.rollout_id,
+            ctx.model_call_id,
+            ctx.dialect.value,
+            len(record["prompt_token_ids"]),
+            len(record["generation_token_ids"]),
+            result.parent_call_id,
+        )
+    except RolloutFrozen:
+        # Frozen while in flight (the harness was stopped): freeze already judged this call
+        # from its intent; changing the frozen state would break conditional retirement.
+        log.warning("late record dropped rollout=%s call=%s", ctx.rollout_id, ctx.model_call_id)
+    except Exception as exc:  # LedgerError, or anything unexpected: never fail the call
+        if not isinstance(exc, LedgerError):
+            log.exception("record failed rollout=%s call=%s", ctx.rollout_id, ctx.model_call_id)
+        await _settle(ledger, ctx, "capture_failed", f"{type(exc).__name__}: {exc}")
+    return stripped
+
+
+def _as_response_items(stripped: StrippedResponse) -> StrippedResponse:
+    """Record a chat answer as Responses output items (a message with ``output_text`` parts,
+    ``function_call`` items, a ``reasoning`` item): the shape the projection delivers to the
+    trainer.  The tokens belong to the last item, as in NeMo Gym's model server."""
+    try:
+        items = d.chat_to_responses_response(stripped.harness_body)["output"]
+    except Exception:  # best effort: an odd answer keeps its chat-shaped item
+        return stripped
+    if not items:
+        return stripped
+    return StrippedResponse(stripped.harness_body, items, stripped.response_id, len(items) - 1)
+
+
+async def _tokenize(
+    request: Request, upstream: d.UpstreamRequest, payload: TokenPayload, answer: dict[str, Any]
+) -> TokenPayload:
+    client: httpx.AsyncClient = request.app.state.upstream
+    try:
+        resp = await client.post(
+            "/tokenize", json=tokenize_request_body(upstream.body), headers=auth_headers(request)
+        )
+        resp.raise_for_status()
+        tokenized = resp.json()
+    except (httpx.HTTPError, ValueError) as exc:
+        raise MalformedTokenPayload(f"no inline prompt ids and /tokenize failed: {exc}") from exc
+    return with_tokenized_prompt(payload, tokenized, usage=answer.get("usage"))
+
+
+def _entry(
+    ctx: CallContext, payload: TokenPayload, stripped: StrippedResponse, answer: Mapping[str, Any]
+) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "schema_version": 1,
+        "rollout_id": ctx.rollout_id,
+        "model_call_id": ctx.model_call_id,
+        "model": str(answer.get("model") or ""),
+        "prompt_token_ids": payload.prompt_token_ids,
+        "generation_token_ids": payload.generation_token_ids,
+        "generation_log_probs": payload.generation_log_probs,
+        "routed_experts": payload.routed_experts,
+        "output_items": stripped.output_items,
+        "token_item_index": stripped.token_item_index,
+        "created_at": time.time(),
+        "response_id": stripped.response_id,
+    }
+    if payload.prompt_source == "tokenize":
+        entry["prompt_source"] = "tokenize"
+    entry.update(ctx.record_extra)
+    return entry
+
+
+async def count_tokens(request: Request) -> Response:
+    """Anthropic ``count_tokens`` (an Anthropic-only route), answered from the upstream's
+    ``/tokenize``."""
+    client: httpx.AsyncClient = request.app.state.upstream
+    try:
+        body = json.loads(await request.body())
+        if not isinstance(body, dict):
+            raise d.InvalidRequest("the request body must be a JSON object")
+        tokenize = _json_bytes(d.anthropic_count_tokens_tokenize_body(body))
+    except Exception as exc:  # refused before anything was sent
+        reply = d.request_error_reply(d.Dialect.ANTHROPIC, _request_error(exc))
+        return JSONResponse(reply.body, status_code=reply.status)
+    try:
+        resp = await client.post("/tokenize", content=tokenize, headers=json_headers(request))
+    except httpx.HTTPError as exc:
+        reply = d.transport_error_reply(
+            d.Dialect.ANTHROPIC, timeout=isinstance(exc, httpx.TimeoutException), detail=str(exc)
+        )
+        return JSONResponse(reply.body, status_code=reply.status)
+    if resp.status_code >= 400:
+        reply = d.upstream_error_reply(
+            d.Dialect.ANTHROPIC, d.parse_upstream_error(resp.status_code, resp.content)
+        )
+        return JSONResponse(reply.body, status_code=reply.status)
+    try:
+        return JSONResponse(d.anthropic_count_tokens_response(resp.json()))
+    except (ValueError, TypeError, AttributeError) as exc:
+        unusable = d.UpstreamError(
+            status=502, message=f"the inference server's /tokenize answer is unusable: {exc}"
+        )
+        reply = d.upstream_error_reply(d.Dialect.ANTHROPIC, unusable)
+        return JSONResponse(reply.body, status_code=reply.status)
