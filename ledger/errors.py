@@ -14,8 +14,8 @@
     └── Unavailable                               the database cannot be reached → 503
         └── NoLedger                              no ledger schema at that URL   → 503
 
-Driver errors are translated into this tree once, in ``ledger.store``; routes map the tree to
-HTTP status codes once, in ``api.errors``.
+Driver errors are translated into this tree once, in ``ledger.storage.translate``; routes map
+the tree to HTTP status codes once, in ``api.errors``.
 """
 
 from __future__ import annotations

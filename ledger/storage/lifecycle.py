@@ -1,0 +1,186 @@
+"""After the build: retire (the conditional-retire rule), delete, sweep, state, deliveries."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from ledger.errors import (
+    NotFound,
+)
+from ledger.ids import validate_rollout_id
+from ledger.model import Quarantine
+from ledger.storage.core import C, D, LedgerCore, Q, R, T
+from ledger.storage.results import (
+    RolloutState,
+)
+from ledger.tables import (
+    utcnow,
+)
+
+
+class LifecycleOps(LedgerCore):
+    """Retire, admin and delivery rows (a mixin of ``Ledger``)."""
+
+    async def retire(self, rollout_id: str, *, snapshot_id: str, version: int) -> bool:
+        """Retire exactly the consumed snapshot (§4.5): delete token payloads, keep a tombstone.
+
+        Returns False, changing nothing, when the rollout is not frozen at that identity.
+        """
+        validate_rollout_id(rollout_id)
+
+        def body(conn: Connection) -> bool:
+            now = utcnow()
+            hit = (
+                conn.execute(
+                    R.update()
+                    .where(
+                        R.c.rollout_id == rollout_id,
+                        R.c.state == "frozen",
+                        R.c.snapshot_id == snapshot_id,
+                        R.c.version == version,
+                    )
+                    .values(state="retired", retired_at=now, updated_at=now)
+                    .returning(R.c.rollout_id)
+                )
+            ).one_or_none()
+            if hit is None:
+                return False
+            conn.execute(
+                T.delete().where(
+                    T.c.call_id.in_(sa.select(C.c.id).where(C.c.rollout_id == rollout_id))
+                )
+            )
+            conn.execute(
+                D.update()
+                .where(
+                    D.c.rollout_id == rollout_id,
+                    D.c.snapshot_id == snapshot_id,
+                    D.c.version == version,
+                    D.c.outcome == "delivered",
+                )
+                .values(retired_at=now)
+            )
+            return True
+
+        retired = await self._transact(body)
+        if retired:
+            self._tips.forget(rollout_id)
+        return retired
+
+    async def delete_rollout(self, rollout_id: str) -> bool:
+        """Admin: remove every trace of a rollout (before re-dispatching its id)."""
+        validate_rollout_id(rollout_id)
+
+        def body(conn: Connection) -> bool:
+            res = conn.execute(R.delete().where(R.c.rollout_id == rollout_id))
+            return bool(res.rowcount)
+
+        self._tips.forget(rollout_id)
+        return await self._transact(body)
+
+    async def sweep(self, older_than: timedelta) -> int:
+        """Remove retired tombstones retired at or before ``now - older_than``."""
+        cutoff = datetime.now(UTC) - older_than
+
+        def body(conn: Connection) -> int:
+            res = conn.execute(R.delete().where(R.c.state == "retired", R.c.retired_at <= cutoff))
+            return int(res.rowcount or 0)
+
+        return await self._transact(body)
+
+    async def get_state(self, rollout_id: str) -> RolloutState:
+        validate_rollout_id(rollout_id)
+        async with self._read() as conn:
+            row = (
+                await conn.execute(
+                    sa.select(R.c.state, R.c.incomplete, R.c.snapshot_id, R.c.version).where(
+                        R.c.rollout_id == rollout_id
+                    )
+                )
+            ).one_or_none()
+        if row is None:
+            raise NotFound(f"no rollout {rollout_id!r} in the ledger", rollout_id=rollout_id)
+        return RolloutState(rollout_id, row.state, row.incomplete, row.snapshot_id, row.version)
+
+    # ----------------------------------------------------------------- deliveries
+
+    async def record_delivery(
+        self,
+        rollout_id: str,
+        *,
+        snapshot_id: str | None,
+        version: int | None,
+        outcome: str,
+        mask_reasons: Sequence[str],
+        metrics: dict[str, Any],
+        terminal: dict[str, Any] | None,
+        quarantines: Iterable[Quarantine] = (),
+        consumer: str = "",
+        idempotency_key: str | None = None,
+    ) -> int:
+        """Store one build of a snapshot with its outcome, reasons, metrics and quarantines."""
+
+        def body(conn: Connection) -> int:
+            self._lock_rollout(conn, rollout_id)
+            if idempotency_key is not None:
+                prior = (
+                    conn.execute(sa.select(D.c.id).where(D.c.idempotency_key == idempotency_key))
+                ).scalar_one_or_none()
+                if prior is not None:
+                    return int(prior)
+            did = (
+                conn.execute(
+                    D.insert()
+                    .values(
+                        rollout_id=rollout_id,
+                        snapshot_id=snapshot_id,
+                        version=version,
+                        outcome=outcome,
+                        mask_reasons=list(mask_reasons),
+                        metrics=metrics,
+                        terminal=terminal,
+                        consumer=consumer,
+                        idempotency_key=idempotency_key,
+                    )
+                    .returning(D.c.id)
+                )
+            ).scalar_one()
+            rows = [
+                {
+                    "rollout_id": rollout_id,
+                    "delivery_id": did,
+                    "model_call_id": q.model_call_id,
+                    "reason": q.reason,
+                    "detail": q.detail,
+                }
+                for q in quarantines
+            ]
+            if rows:
+                conn.execute(Q.insert(), rows)
+            return int(did)
+
+        return await self._transact(body)
+
+    async def mark_delivery(
+        self, delivery_id: int, *, handed_off: bool = False, durable: bool = False
+    ) -> None:
+        """Stamp a delivery as handed off and/or durably acknowledged by the consumer."""
+        values: dict[str, Any] = {}
+        if handed_off:
+            values["handed_off_at"] = utcnow()
+        if durable:
+            values["durable_ack_at"] = utcnow()
+        if not values:
+            return
+
+        def body(conn: Connection) -> None:
+            res = conn.execute(D.update().where(D.c.id == delivery_id).values(**values))
+            if not res.rowcount:
+                raise NotFound(f"no delivery {delivery_id} in the ledger")
+
+        return await self._transact(body)
