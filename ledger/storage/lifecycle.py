@@ -15,9 +15,7 @@ from ledger.errors import (
 from ledger.ids import validate_rollout_id
 from ledger.model import Quarantine
 from ledger.storage.core import C, D, LedgerCore, Q, R, T
-from ledger.storage.results import (
-    RolloutState,
-)
+from ledger.storage.results import RetireOutcome, RolloutState
 from ledger.tables import (
     utcnow,
 )
@@ -29,11 +27,22 @@ class LifecycleOps(LedgerCore):
     async def retire(self, rollout_id: str, *, snapshot_id: str, version: int) -> bool:
         """Retire exactly the consumed snapshot (§4.5): delete token payloads, keep a tombstone.
 
-        Returns False, changing nothing, when the rollout is not frozen at that identity.
+        True when the snapshot is retired at that identity, by this call or by an earlier one (a
+        repeat after a lost answer); False, changing nothing, when the rollout is not frozen at
+        that identity, was retired at another one, or is unknown.  The same answer as over HTTP.
         """
+        return (
+            await self.retire_outcome(rollout_id, snapshot_id=snapshot_id, version=version)
+        ).retired
+
+    async def retire_outcome(
+        self, rollout_id: str, *, snapshot_id: str, version: int
+    ) -> RetireOutcome:
+        """``retire`` with the rule's full answer (see :class:`RetireOutcome`): the conditional
+        update and, when it retires nothing, the read that says why, in one transaction."""
         validate_rollout_id(rollout_id)
 
-        def body(conn: Connection) -> bool:
+        def body(conn: Connection) -> RetireOutcome:
             now = utcnow()
             hit = (
                 conn.execute(
@@ -45,11 +54,11 @@ class LifecycleOps(LedgerCore):
                         R.c.version == version,
                     )
                     .values(state="retired", retired_at=now, updated_at=now)
-                    .returning(R.c.rollout_id)
+                    .returning(R.c.incomplete)
                 )
             ).one_or_none()
             if hit is None:
-                return False
+                return _why_not_retired(conn, rollout_id, snapshot_id, version)
             conn.execute(
                 T.delete().where(
                     T.c.call_id.in_(sa.select(C.c.id).where(C.c.rollout_id == rollout_id))
@@ -65,12 +74,13 @@ class LifecycleOps(LedgerCore):
                 )
                 .values(retired_at=now)
             )
-            return True
+            state = RolloutState(rollout_id, "retired", hit.incomplete, snapshot_id, version)
+            return RetireOutcome("retired", state)
 
-        retired = await self._transact(body)
-        if retired:
+        outcome = await self._transact(body)
+        if outcome.status == "retired":
             self._tips.forget(rollout_id)
-        return retired
+        return outcome
 
     async def delete_rollout(self, rollout_id: str) -> bool:
         """Admin: remove every trace of a rollout (before re-dispatching its id)."""
@@ -184,3 +194,22 @@ class LifecycleOps(LedgerCore):
                 raise NotFound(f"no delivery {delivery_id} in the ledger")
 
         return await self._transact(body)
+
+
+def _why_not_retired(
+    conn: Connection, rollout_id: str, snapshot_id: str, version: int
+) -> RetireOutcome:
+    """The retire rule for a conditional update that matched nothing, read under the row lock."""
+    row = conn.execute(
+        sa.select(R.c.state, R.c.incomplete, R.c.snapshot_id, R.c.version)
+        .where(R.c.rollout_id == rollout_id)
+        .with_for_update()
+    ).one_or_none()
+    if row is None:
+        return RetireOutcome("unknown", None)
+    state = RolloutState(rollout_id, row.state, row.incomplete, row.snapshot_id, row.version)
+    if state.state != "retired":
+        return RetireOutcome("stale", state)
+    if (state.snapshot_id, state.version) == (snapshot_id, version):
+        return RetireOutcome("repeat", state)
+    return RetireOutcome("retired_elsewhere", state)

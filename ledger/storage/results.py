@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from ledger.model import CallView
 from ledger.records import TokenEntry
@@ -14,6 +14,7 @@ __all__ = [
     "FrozenSnapshot",
     "LineageResolution",
     "PutResult",
+    "RetireOutcome",
     "RolloutState",
     "SnapshotViews",
 ]
@@ -87,3 +88,22 @@ class SnapshotViews:
     snapshot_id: str
     version: int
     incomplete_reasons: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class RetireOutcome:
+    """What one retire found and did, decided in its own transaction (the one retire rule).
+
+    ``status``: ``retired`` (this call retired the snapshot), ``repeat`` (already retired at
+    exactly this identity: a safe repeat after a lost answer), ``retired_elsewhere`` (retired at
+    another identity), ``stale`` (open, or frozen at another identity: nothing retired),
+    ``unknown`` (no such rollout).  ``state`` is the rollout as the decision saw it.
+    """
+
+    status: Literal["retired", "repeat", "retired_elsewhere", "stale", "unknown"]
+    state: RolloutState | None
+
+    @property
+    def retired(self) -> bool:
+        """True when the snapshot is retired at exactly the asked identity (now or before)."""
+        return self.status in ("retired", "repeat")
