@@ -132,8 +132,14 @@ class LifecycleOps(LedgerCore):
         quarantines: Iterable[Quarantine] = (),
         consumer: str = "",
         idempotency_key: str | None = None,
+        handed_off: bool = False,
     ) -> int:
-        """Store one build of a snapshot with its outcome, reasons, metrics and quarantines."""
+        """Store one build of a snapshot with its outcome, reasons, metrics and quarantines.
+
+        ``handed_off``: the build is handed to its consumer now; the row carries that mark from
+        its own transaction, so no delivery row is ever seen built but not handed off.
+        """
+        handed_off_at = utcnow() if handed_off else None
 
         def body(conn: Connection) -> int:
             self._lock_rollout(conn, rollout_id)
@@ -142,6 +148,10 @@ class LifecycleOps(LedgerCore):
                     conn.execute(sa.select(D.c.id).where(D.c.idempotency_key == idempotency_key))
                 ).scalar_one_or_none()
                 if prior is not None:
+                    if handed_off_at is not None:
+                        conn.execute(
+                            D.update().where(D.c.id == prior).values(handed_off_at=handed_off_at)
+                        )
                     return int(prior)
             did = (
                 conn.execute(
@@ -156,6 +166,7 @@ class LifecycleOps(LedgerCore):
                         terminal=terminal,
                         consumer=consumer,
                         idempotency_key=idempotency_key,
+                        handed_off_at=handed_off_at,
                     )
                     .returning(D.c.id)
                 )
