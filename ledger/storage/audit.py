@@ -7,6 +7,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 import sqlalchemy as sa
+from sqlalchemy.dialects.postgresql import JSONB
 
 from ledger.errors import (
     NotFound,
@@ -97,10 +98,13 @@ class Audit:
             q = q.where(D.c.outcome.in_(("masked", "failed")))
         elif masked is False:
             q = q.where(D.c.outcome == "delivered")
+        if reason:
+            q = q.where(_names_reason(self.ledger.dialect, reason))
         if since is not None:
             q = q.where(R.c.updated_at >= since)
         if cursor:
             q = q.where(R.c.rollout_id > cursor)
+        q = q.limit(max(1, limit) + 1)
         out: list[RolloutSummary] = []
         batch = max(1, min(limit, 1000))
         async with self.ledger._read() as conn:
@@ -109,8 +113,6 @@ class Audit:
                 reasons = list(r.mask_reasons or [])
                 metrics = r.metrics or {}
                 causes = tuple(str(c) for c in metrics.get("incomplete_reasons") or ())
-                if reason and reason not in reasons and reason not in causes:
-                    continue
                 out.append(
                     RolloutSummary(
                         r.rollout_id,
@@ -266,6 +268,25 @@ class Audit:
             },
             "chains_histogram": chains,
         }
+
+
+def _names_reason(dialect: str, reason: str) -> Any:
+    """The latest delivery names ``reason`` among its mask reasons or among the causes behind
+    ``capture_incomplete`` (``metrics.incomplete_reasons``): an exact element match, in SQL."""
+    if dialect == "postgresql":
+        metrics = sa.cast(D.c.metrics, JSONB)
+        return sa.or_(
+            sa.cast(D.c.mask_reasons, JSONB).has_key(reason),
+            metrics["incomplete_reasons"].has_key(reason),
+        )
+    masks = sa.func.json_each(D.c.mask_reasons).table_valued("value").alias("mask")
+    causes = (
+        sa.func.json_each(D.c.metrics, "$.incomplete_reasons").table_valued("value").alias("cause")
+    )
+    return sa.or_(
+        sa.exists().select_from(masks).where(masks.c.value == reason),
+        sa.exists().select_from(causes).where(causes.c.value == reason),
+    )
 
 
 def _row_dict(row: Any, drop: tuple[str, ...] = ()) -> dict[str, Any]:
