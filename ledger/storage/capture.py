@@ -54,22 +54,9 @@ class CaptureOps(LineageOps):
         """Close an intent for a call that ended without generating; True if one was open."""
         validate_rollout_id(rollout_id)
         validate_call_id(model_call_id)
-
-        def body(conn: Connection) -> bool:
-            state = self._lock_rollout(conn, rollout_id)
-            self._refuse_if_closed(state, "cancel_call")
-            res = conn.execute(
-                C.update()
-                .where(
-                    C.c.rollout_id == rollout_id,
-                    C.c.model_call_id == model_call_id,
-                    C.c.status == "intent",
-                )
-                .values(status="cancelled")
-            )
-            return bool(res.rowcount)
-
-        return await self._transact(body)
+        return await self._update_open_intent(
+            rollout_id, model_call_id, "cancel_call", status="cancelled"
+        )
 
     async def note_failed_attempt(
         self, rollout_id: str, model_call_id: str, *, reason: str, detail: str, retry_key: str
@@ -83,22 +70,9 @@ class CaptureOps(LineageOps):
         validate_call_id(model_call_id)
         _validate_reason(reason)
         note = {"failed_attempt": {"reason": reason, "detail": detail, "retry_key": retry_key}}
-
-        def body(conn: Connection) -> bool:
-            state = self._lock_rollout(conn, rollout_id)
-            self._refuse_if_closed(state, "note_failed_attempt")
-            res = conn.execute(
-                C.update()
-                .where(
-                    C.c.rollout_id == rollout_id,
-                    C.c.model_call_id == model_call_id,
-                    C.c.status == "intent",
-                )
-                .values(extra=note)
-            )
-            return bool(res.rowcount)
-
-        return await self._transact(body)
+        return await self._update_open_intent(
+            rollout_id, model_call_id, "note_failed_attempt", extra=note
+        )
 
     async def settle_failed_attempts(self, rollout_id: str, retry_key: str) -> list[str]:
         """Cancel the open failed attempts a successful retry with ``retry_key`` replaced (they
@@ -129,6 +103,28 @@ class CaptureOps(LineageOps):
                     .values(status="cancelled")
                 )
             return [r.model_call_id for r in settled]
+
+        return await self._transact(body)
+
+    async def _update_open_intent(
+        self, rollout_id: str, model_call_id: str, what: str, **values: Any
+    ) -> bool:
+        """Set ``values`` on the call's open intent (refused once the rollout is closed); True if
+        one was open."""
+
+        def body(conn: Connection) -> bool:
+            state = self._lock_rollout(conn, rollout_id)
+            self._refuse_if_closed(state, what)
+            res = conn.execute(
+                C.update()
+                .where(
+                    C.c.rollout_id == rollout_id,
+                    C.c.model_call_id == model_call_id,
+                    C.c.status == "intent",
+                )
+                .values(**values)
+            )
+            return bool(res.rowcount)
 
         return await self._transact(body)
 
