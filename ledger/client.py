@@ -34,7 +34,7 @@ from ledger.errors import (
 )
 from ledger.gym_lineage import LineageResolution as GymResolution
 from ledger.records import TokenEntry, coerce_entry
-from ledger.store import FrozenSnapshot, LineageResolution, PutResult
+from ledger.storage.results import FrozenSnapshot, LineageResolution, PutResult
 
 __all__ = ["RemoteLedger"]
 

@@ -240,8 +240,8 @@ async def build_rollout(
         terminal=build["metrics"].get("terminal_attribution"),
         quarantines=plan.quarantines,
         consumer=consumer,
+        handed_off=True,
     )
-    await ledger.mark_delivery(build["delivery_id"], handed_off=True)
     return build
 
 

@@ -35,8 +35,8 @@ refusals of the ledger stay outside the tree on purpose: configuration and comma
 (``ConfigError``, ``CliError``, ``CollectAborted``/``CollectRefused``), body-size and JSON
 parsing limits of the web layer, and private control-flow exceptions.
 
-Driver errors are translated into this tree once, in ``ledger.store``; routes map the tree to
-HTTP status codes once, in ``api.errors`` (a branch without a status there, such as
+Driver errors are translated into this tree once, in ``ledger.storage.translate``; routes map
+the tree to HTTP status codes once, in ``api.errors`` (a branch without a status there, such as
 ``BuildError``, is a 500 if it ever escapes).
 """
 

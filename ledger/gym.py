@@ -29,8 +29,9 @@ from collections.abc import Sequence
 from typing import Any, Protocol
 
 from ledger.gym_lineage import LineageResolution, gym_view, in_gym_terms
-from ledger.store import FrozenSnapshot, Ledger, PutResult
-from ledger.store import LineageResolution as PromptResolution
+from ledger.storage.ledger import Ledger
+from ledger.storage.results import FrozenSnapshot, PutResult
+from ledger.storage.results import LineageResolution as PromptResolution
 
 __all__ = ["CaptureLineageStore", "CaptureSink", "CaptureSource", "LedgerBackend", "open_backend"]
 

@@ -552,17 +552,17 @@ async def test_concurrent_retires_from_two_instances_exactly_one_wins(
         await warm(b)
         snaps = await _frozen_rollouts(a, rid, 8, "ret")
 
-        async def both(s: FrozenSnapshot) -> list[bool]:
-            return list(
-                await asyncio.gather(
-                    a.retire(s.rollout_id, snapshot_id=s.snapshot_id, version=s.version),
-                    b.retire(s.rollout_id, snapshot_id=s.snapshot_id, version=s.version),
-                )
+        async def both(s: FrozenSnapshot) -> list[str]:
+            outcomes = await asyncio.gather(
+                a.retire_outcome(s.rollout_id, snapshot_id=s.snapshot_id, version=s.version),
+                b.retire_outcome(s.rollout_id, snapshot_id=s.snapshot_id, version=s.version),
             )
+            return [o.status for o in outcomes]
 
         async with asyncio.timeout(DEADLINE_S):
             results = await asyncio.gather(*(both(s) for s in snaps))
-        assert [sorted(r) for r in results] == [[False, True]] * len(snaps)
+        # One retires; the other finds it retired at exactly that identity (a repeat: True).
+        assert [sorted(r) for r in results] == [["repeat", "retired"]] * len(snaps)
         for s in snaps:
             await _assert_retired_once(b, s)
     finally:
@@ -594,7 +594,7 @@ async def test_concurrent_retires_from_two_processes_exactly_one_wins(
                     _, rollout, ok = line.split()
                     outcomes[rollout].append(ok)
         assert {k: sorted(v) for k, v in outcomes.items()} == {
-            s.rollout_id: ["False", "True"] for s in snaps
+            s.rollout_id: ["repeat", "retired"] for s in snaps
         }
         for s in snaps:
             await _assert_retired_once(led, s)

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
+from datetime import datetime
 from typing import Any
 
 import pytest
 
 from ledger.delivery import finalize_rollout_token_capture, retire_rollout_token_capture
+from ledger.errors import InvalidInput
 from ledger.projection import assert_prefix_contiguous
 from ledger.store import Audit, Ledger
 
@@ -142,6 +144,74 @@ async def test_multi_turn_tool_rollout_delivers_one_exact_chain(ledger: Ledger, 
     assert result["response"]["usage"]["input_tokens"] == len(SYS)
     assert await retire_rollout_token_capture(r, ledger, build)
     assert (await ledger.get_state(r)).state == "retired"
+
+
+async def test_delivery_row_and_its_handed_off_mark_are_one_write(ledger: Ledger, rid: Rid) -> None:
+    """Issue 9: the build's delivery row carries its handed-off mark from its own transaction
+    (stamped no later than the row was built), never a second write after it; a refused row
+    leaves neither."""
+    r = rid("handoff")
+    s = Scripted(ledger, r)
+    await tool_loop(s, 1)
+    build = await finalize_rollout_token_capture(result_for(r), ledger)
+    assert build is not None
+    (row,) = (await Audit(ledger).rollout_detail(r))["deliveries"]
+    built, handed = (datetime.fromisoformat(row[k]) for k in ("built_at", "handed_off_at"))
+    assert handed <= built
+    kept = {"snapshot_id": None, "version": None, "mask_reasons": [], "metrics": {}}
+    plain = await ledger.record_delivery(r, outcome="masked", terminal=None, **kept)
+    with pytest.raises(InvalidInput):
+        await ledger.record_delivery(r, outcome="nonsense", terminal=None, handed_off=True, **kept)
+    rows = (await Audit(ledger).rollout_detail(r))["deliveries"]
+    assert [(d["id"], d["handed_off_at"] is not None) for d in rows] == [
+        (row["id"], True),
+        (plain, False),
+    ]
+
+
+async def test_audit_reason_filter_matches_exact_reasons_of_the_latest_build(
+    ledger: Ledger, rid: Rid
+) -> None:
+    """Issue 9: the listing's reason filter (in SQL) matches a mask reason or a cause behind
+    ``capture_incomplete`` of each rollout's latest build, exactly (no substring), and pages."""
+    p = rid("why")
+    ids = [f"{p}-{n}" for n in "abcde"]
+    builds: dict[str, list[tuple[list[str], list[str]]]] = {
+        ids[0]: [(["capture_incomplete"], ["upstream_error"])],
+        ids[1]: [(["upstream_error"], [])],
+        ids[2]: [(["capture_incomplete"], ["upstream"])],  # a prefix of the reason: no match
+        ids[3]: [(["upstream_error"], []), ([], [])],  # only an older build named it
+        ids[4]: [(["capture_incomplete"], ["upstream_error", "dangling_intent"])],
+    }
+    for r, history in builds.items():
+        for masks, causes in history:
+            await ledger.record_delivery(
+                r,
+                snapshot_id=None,
+                version=None,
+                outcome="masked" if masks else "delivered",
+                mask_reasons=masks,
+                metrics={"incomplete_reasons": causes} if causes else {},
+                terminal=None,
+            )
+    audit = Audit(ledger)
+
+    async def listing(reason: str) -> list[str]:
+        found: list[str] = []
+        cursor: str | None = p
+        while cursor is not None and cursor.startswith(p):
+            page, cursor = await audit.list_rollouts(reason=reason, limit=1, cursor=cursor)
+            assert len(page) <= 1
+            found += [s.rollout_id for s in page if s.rollout_id.startswith(p)]
+        return found
+
+    assert await listing("upstream_error") == [ids[0], ids[1], ids[4]]
+    assert await listing("upstream") == [ids[2]]
+    assert await listing("dangling_intent") == [ids[4]]
+    assert await listing("capture_incomplete") == [ids[0], ids[2], ids[4]]
+    assert await listing("never_named") == []
+    (row,), _ = await audit.list_rollouts(reason="dangling_intent", cursor=p, limit=1)
+    assert row.incomplete_reasons == ("upstream_error", "dangling_intent")
 
 
 async def test_build_is_recorded_in_deliveries(ledger: Ledger, rid: Rid) -> None:

@@ -30,6 +30,7 @@ from ledger.delivery import finalize_rollout_token_capture, retire_rollout_token
 from ledger.errors import AccessDenied, PayloadConflict, RolloutFrozen, RolloutRetired, Unavailable
 from ledger.gym import CaptureLineageStore, CaptureSink, CaptureSource
 from ledger.records import TokenEntry
+from ledger.store import Ledger
 from rollout_sim import ThreadedServer
 from tests.test_gym_conformance import VersionBlindSource
 
@@ -173,6 +174,40 @@ async def test_remote_errors_map_to_the_ledger_exceptions(service: Service, rid:
     finally:
         await sink.close()
         await source.close()
+
+
+async def test_retire_answers_the_same_locally_and_over_http(
+    service: Service, ledger: Ledger, rid: Rid
+) -> None:
+    """One retire rule, kept by the ledger (issue 9): every case answers the same through a
+    database URL and over HTTP, and the rule's outcome names the case."""
+    remote = RemoteLedger(service.url, token="t-tok")
+    try:
+        answers: dict[str, list[bool]] = {"local": [], "http": []}
+        for name, led in (("local", ledger), ("http", remote)):
+            r, opened = rid(f"rule-{name}"), rid(f"open-{name}")
+            await ledger.put(entry(r, "c1", [1, 2], [3]))
+            await ledger.put(entry(opened, "c1", [1, 2], [3]))
+            snap = await ledger.freeze(r)
+            ident = {"snapshot_id": snap.snapshot_id, "version": snap.version}
+            stale = {"snapshot_id": snap.snapshot_id, "version": snap.version + 1}
+            answers[name] = [
+                await led.retire(r, **stale),  # frozen at another identity
+                await led.retire(opened, **ident),  # open
+                await led.retire(rid("none"), **ident),  # unknown
+                await led.retire(r, **ident),  # retires
+                await led.retire(r, **ident),  # the repeat
+                await led.retire(r, **stale),  # retired at another identity
+            ]
+            outcome = await ledger.retire_outcome(r, **ident)
+            assert (outcome.status, outcome.retired) == ("repeat", True)
+            assert (await ledger.retire_outcome(r, **stale)).status == "retired_elsewhere"
+            assert (await ledger.retire_outcome(opened, **ident)).status == "stale"
+            assert (await ledger.retire_outcome(rid("none"), **ident)).status == "unknown"
+        assert answers["local"] == [False, False, False, True, True, False]
+        assert answers["http"] == answers["local"]
+    finally:
+        await remote.close()
 
 
 # --------------------------------------------------------------------------- retry

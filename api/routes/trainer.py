@@ -109,29 +109,29 @@ async def retire(
     """
     metrics = request.app.state.metrics
     ids = {"rollout_id": rollout_id, "snapshot_id": body.snapshot_id}
-    if await led.retire(rollout_id, snapshot_id=body.snapshot_id, version=body.version):
-        metrics.retires.labels("retired").inc()
+    # The rule (retired, repeat, stale, retired elsewhere, unknown) is the ledger's, decided in
+    # one transaction; this handler only maps its answer.
+    outcome = await led.retire_outcome(
+        rollout_id, snapshot_id=body.snapshot_id, version=body.version
+    )
+    label = "stale" if outcome.status == "retired_elsewhere" else outcome.status
+    metrics.retires.labels(label).inc()
+    if outcome.status == "retired":
         log.info("retired rollout=%s snapshot=%s", rollout_id, body.snapshot_id, extra=ids)
+    if outcome.retired:
         return RetireOut(retired=True)
-    try:
-        state = await led.get_state(rollout_id)
-    except NotFound:
-        metrics.retires.labels("unknown").inc()
+    state = outcome.state
+    if state is None:
         raise NotFound(
             f"no rollout {rollout_id!r} in the ledger: nothing to retire", rollout_id=rollout_id
-        ) from None
+        )
     asked = f"snapshot {body.snapshot_id!r} version {body.version}"
     at = f"snapshot {state.snapshot_id!r} version {state.version}"
-    if state.state == "retired":
-        if (state.snapshot_id, state.version) == (body.snapshot_id, body.version):
-            metrics.retires.labels("repeat").inc()
-            return RetireOut(retired=True)
-        metrics.retires.labels("stale").inc()
+    if outcome.status == "retired_elsewhere":
         raise RolloutRetired(
             f"rollout {rollout_id!r} was already retired at {at}, not {asked}",
             rollout_id=rollout_id,
         )
-    metrics.retires.labels("stale").inc()
     log.info(
         "retire refused rollout=%s: asked %s, is %s at %s",
         rollout_id,

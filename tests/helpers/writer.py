@@ -16,7 +16,7 @@ Protocol, one flushed stdout line each:
                                            process waits for a ``go`` line on stdin)
     ack ROLLOUT CALL STATUS VERSION        printed only after ``put`` returned
     frozen ROLLOUT CALL                    ``put`` raised ``RolloutFrozen``; the stream stopped
-    retired ROLLOUT True|False             what ``retire`` returned
+    retired ROLLOUT STATUS                 ``retire_outcome``'s status (retired, repeat, …)
     done                                   everything finished
 
 Any other exception propagates: a traceback on stderr and exit status 1.
@@ -104,10 +104,10 @@ async def _put_stream(led: Ledger, stream: Stream) -> None:
 
 
 async def _retire(led: Ledger, target: dict[str, Any]) -> None:
-    ok = await led.retire(
+    outcome = await led.retire_outcome(
         target["rollout_id"], snapshot_id=target["snapshot_id"], version=int(target["version"])
     )
-    say(f"retired {target['rollout_id']} {ok}")
+    say(f"retired {target['rollout_id']} {outcome.status}")
 
 
 async def main(spec: dict[str, Any]) -> None:

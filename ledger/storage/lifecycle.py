@@ -1,0 +1,226 @@
+"""After the build: retire (the conditional-retire rule), delete, sweep, state, deliveries."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from ledger.errors import (
+    NotFound,
+)
+from ledger.ids import validate_rollout_id
+from ledger.model import Quarantine
+from ledger.storage.core import C, D, LedgerCore, Q, R, T
+from ledger.storage.results import RetireOutcome, RolloutState
+from ledger.tables import (
+    utcnow,
+)
+
+
+class LifecycleOps(LedgerCore):
+    """Retire, admin and delivery rows (a mixin of ``Ledger``)."""
+
+    async def retire(self, rollout_id: str, *, snapshot_id: str, version: int) -> bool:
+        """Retire exactly the consumed snapshot (§4.5): delete token payloads, keep a tombstone.
+
+        True when the snapshot is retired at that identity, by this call or by an earlier one (a
+        repeat after a lost answer); False, changing nothing, when the rollout is not frozen at
+        that identity, was retired at another one, or is unknown.  The same answer as over HTTP.
+        """
+        return (
+            await self.retire_outcome(rollout_id, snapshot_id=snapshot_id, version=version)
+        ).retired
+
+    async def retire_outcome(
+        self, rollout_id: str, *, snapshot_id: str, version: int
+    ) -> RetireOutcome:
+        """``retire`` with the rule's full answer (see :class:`RetireOutcome`): the conditional
+        update and, when it retires nothing, the read that says why, in one transaction."""
+        validate_rollout_id(rollout_id)
+
+        def body(conn: Connection) -> RetireOutcome:
+            now = utcnow()
+            hit = (
+                conn.execute(
+                    R.update()
+                    .where(
+                        R.c.rollout_id == rollout_id,
+                        R.c.state == "frozen",
+                        R.c.snapshot_id == snapshot_id,
+                        R.c.version == version,
+                    )
+                    .values(state="retired", retired_at=now, updated_at=now)
+                    .returning(R.c.incomplete)
+                )
+            ).one_or_none()
+            if hit is None:
+                return _why_not_retired(conn, rollout_id, snapshot_id, version)
+            conn.execute(
+                T.delete().where(
+                    T.c.call_id.in_(sa.select(C.c.id).where(C.c.rollout_id == rollout_id))
+                )
+            )
+            conn.execute(
+                D.update()
+                .where(
+                    D.c.rollout_id == rollout_id,
+                    D.c.snapshot_id == snapshot_id,
+                    D.c.version == version,
+                    D.c.outcome == "delivered",
+                )
+                .values(retired_at=now)
+            )
+            state = RolloutState(rollout_id, "retired", hit.incomplete, snapshot_id, version)
+            return RetireOutcome("retired", state)
+
+        outcome = await self._transact(body)
+        if outcome.status == "retired":
+            self._tips.forget(rollout_id)
+        return outcome
+
+    async def delete_rollout(self, rollout_id: str) -> bool:
+        """Admin: remove every trace of a rollout (before re-dispatching its id)."""
+        validate_rollout_id(rollout_id)
+
+        def body(conn: Connection) -> bool:
+            res = conn.execute(R.delete().where(R.c.rollout_id == rollout_id))
+            return bool(res.rowcount)
+
+        self._tips.forget(rollout_id)
+        return await self._transact(body)
+
+    async def sweep(self, older_than: timedelta) -> int:
+        """Remove retired tombstones retired at or before ``now - older_than``."""
+        cutoff = datetime.now(UTC) - older_than
+
+        def body(conn: Connection) -> int:
+            res = conn.execute(R.delete().where(R.c.state == "retired", R.c.retired_at <= cutoff))
+            return int(res.rowcount or 0)
+
+        return await self._transact(body)
+
+    async def get_state(self, rollout_id: str) -> RolloutState:
+        validate_rollout_id(rollout_id)
+        async with self._read() as conn:
+            row = (
+                await conn.execute(
+                    sa.select(R.c.state, R.c.incomplete, R.c.snapshot_id, R.c.version).where(
+                        R.c.rollout_id == rollout_id
+                    )
+                )
+            ).one_or_none()
+        if row is None:
+            raise NotFound(f"no rollout {rollout_id!r} in the ledger", rollout_id=rollout_id)
+        return RolloutState(rollout_id, row.state, row.incomplete, row.snapshot_id, row.version)
+
+    # ----------------------------------------------------------------- deliveries
+
+    async def record_delivery(
+        self,
+        rollout_id: str,
+        *,
+        snapshot_id: str | None,
+        version: int | None,
+        outcome: str,
+        mask_reasons: Sequence[str],
+        metrics: dict[str, Any],
+        terminal: dict[str, Any] | None,
+        quarantines: Iterable[Quarantine] = (),
+        consumer: str = "",
+        idempotency_key: str | None = None,
+        handed_off: bool = False,
+    ) -> int:
+        """Store one build of a snapshot with its outcome, reasons, metrics and quarantines.
+
+        ``handed_off``: the build is handed to its consumer now; the row carries that mark from
+        its own transaction, so no delivery row is ever seen built but not handed off.
+        """
+        handed_off_at = utcnow() if handed_off else None
+
+        def body(conn: Connection) -> int:
+            self._lock_rollout(conn, rollout_id)
+            if idempotency_key is not None:
+                prior = (
+                    conn.execute(sa.select(D.c.id).where(D.c.idempotency_key == idempotency_key))
+                ).scalar_one_or_none()
+                if prior is not None:
+                    if handed_off_at is not None:
+                        conn.execute(
+                            D.update().where(D.c.id == prior).values(handed_off_at=handed_off_at)
+                        )
+                    return int(prior)
+            did = (
+                conn.execute(
+                    D.insert()
+                    .values(
+                        rollout_id=rollout_id,
+                        snapshot_id=snapshot_id,
+                        version=version,
+                        outcome=outcome,
+                        mask_reasons=list(mask_reasons),
+                        metrics=metrics,
+                        terminal=terminal,
+                        consumer=consumer,
+                        idempotency_key=idempotency_key,
+                        handed_off_at=handed_off_at,
+                    )
+                    .returning(D.c.id)
+                )
+            ).scalar_one()
+            rows = [
+                {
+                    "rollout_id": rollout_id,
+                    "delivery_id": did,
+                    "model_call_id": q.model_call_id,
+                    "reason": q.reason,
+                    "detail": q.detail,
+                }
+                for q in quarantines
+            ]
+            if rows:
+                conn.execute(Q.insert(), rows)
+            return int(did)
+
+        return await self._transact(body)
+
+    async def mark_delivery(
+        self, delivery_id: int, *, handed_off: bool = False, durable: bool = False
+    ) -> None:
+        """Stamp a delivery as handed off and/or durably acknowledged by the consumer."""
+        values: dict[str, Any] = {}
+        if handed_off:
+            values["handed_off_at"] = utcnow()
+        if durable:
+            values["durable_ack_at"] = utcnow()
+        if not values:
+            return
+
+        def body(conn: Connection) -> None:
+            res = conn.execute(D.update().where(D.c.id == delivery_id).values(**values))
+            if not res.rowcount:
+                raise NotFound(f"no delivery {delivery_id} in the ledger")
+
+        return await self._transact(body)
+
+
+def _why_not_retired(
+    conn: Connection, rollout_id: str, snapshot_id: str, version: int
+) -> RetireOutcome:
+    """The retire rule for a conditional update that matched nothing, read under the row lock."""
+    row = conn.execute(
+        sa.select(R.c.state, R.c.incomplete, R.c.snapshot_id, R.c.version)
+        .where(R.c.rollout_id == rollout_id)
+        .with_for_update()
+    ).one_or_none()
+    if row is None:
+        return RetireOutcome("unknown", None)
+    state = RolloutState(rollout_id, row.state, row.incomplete, row.snapshot_id, row.version)
+    if state.state != "retired":
+        return RetireOutcome("stale", state)
+    if (state.snapshot_id, state.version) == (snapshot_id, version):
+        return RetireOutcome("repeat", state)
+    return RetireOutcome("retired_elsewhere", state)

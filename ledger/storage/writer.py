@@ -1,0 +1,257 @@
+"""The SQLite group-commit writer: one writer thread, pipelined WAL flushes (design §8)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import queue
+import threading
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from sqlalchemy.engine import Connection, Engine
+from sqlalchemy.ext.asyncio import AsyncEngine
+
+from ledger.engine import make_sync_engine
+from ledger.errors import (
+    Unavailable,
+)
+from ledger.storage.translate import _translate_error
+
+_T = TypeVar("_T")
+
+
+class _GroupCommit:
+    """Group commit for SQLite (design §8): concurrent writes share one durable commit.
+
+    One writer thread owns a synchronous SQLite connection.  It takes every write queued while
+    the previous batch was in flight and runs them in one ``BEGIN IMMEDIATE`` transaction.  A
+    write that raises before changing anything (a refusal) just fails; one that raises after
+    changing rows rolls the batch back, which then runs again with one SAVEPOINT per write, so
+    a failing write never takes another's changes with it; a failed commit fails every write of
+    the batch.  Nothing is acknowledged before its commit.
+
+    Flushing is pipelined: the connection commits with ``synchronous=NORMAL`` (the WAL frames
+    are written, and readable, but not yet flushed) and a flusher thread then ``fdatasync``s
+    the WAL file, which is exactly the flush ``synchronous=FULL`` would do inside the commit,
+    while the writer already runs the next batch.  A write that promises durability is
+    acknowledged only after a flush that began after its commit; one that does not need its own
+    flush (an intent: the call's flushed record carries it) is acknowledged at its commit.  The
+    WAL is checkpointed into the database with its own flushes, as under ``NORMAL``.
+    """
+
+    MAX_BATCH = 256
+    # Flusher threads: while one flush is in flight, another can start for later commits, so a
+    # durable write waits for about one flush, not for the one in flight and then its own.
+    FLUSHERS = 2
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._url = engine.url
+        self._queue: queue.SimpleQueue[_Job | None] = queue.SimpleQueue()
+        self._flushes: queue.SimpleQueue[list[_Outcome] | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._flushers: list[threading.Thread] = []
+        self._start_lock = threading.Lock()
+        self._engine: Engine | None = None
+        self._db_path = os.path.abspath(str(engine.url.database or ""))
+
+    async def submit(self, body: Callable[[Connection], _T], *, flush: bool = True) -> _T:
+        self._ensure_thread()
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[_T] = loop.create_future()
+        self._queue.put((body, fut, loop, flush))
+        return await asyncio.shield(fut)
+
+    def _ensure_thread(self) -> None:
+        if self._thread is not None and self._thread.is_alive():
+            return
+        with self._start_lock:
+            if self._thread is None or not self._thread.is_alive():
+                self._engine = make_sync_engine(self._url)
+                self._thread = threading.Thread(
+                    target=self._run, name="rollout-ledger-writer", daemon=True
+                )
+                self._flushers = [
+                    threading.Thread(
+                        target=self._flush_loop, name=f"rollout-ledger-flusher-{i}", daemon=True
+                    )
+                    for i in range(self.FLUSHERS)
+                ]
+                for flusher in self._flushers:
+                    flusher.start()
+                self._thread.start()
+
+    async def close(self) -> None:
+        thread, flushers = self._thread, self._flushers
+        if thread is None:
+            return
+        self._queue.put(None)
+        await asyncio.to_thread(thread.join)
+        for _ in flushers:
+            self._flushes.put(None)
+        for flusher in flushers:
+            await asyncio.to_thread(flusher.join)
+        self._thread, self._flushers = None, []
+        if self._engine is not None:
+            self._engine.dispose()
+            self._engine = None
+
+    def _run(self) -> None:
+        while True:
+            first = self._queue.get()
+            if first is None:
+                return
+            batch = [first]
+            stop = False
+            while len(batch) < self.MAX_BATCH:
+                try:
+                    item = self._queue.get_nowait()
+                except queue.Empty:
+                    break
+                if item is None:
+                    stop = True
+                    break
+                batch.append(item)
+            self._commit(batch)
+            if stop:
+                return
+
+    def _commit(self, batch: list[_Job]) -> None:
+        """Run the batch in one transaction without savepoints; a write that fails after it
+        changed something makes the whole transaction roll back and run again with one
+        savepoint per write (so each write still succeeds or fails alone)."""
+        assert self._engine is not None
+        outcomes: list[_Outcome] = []
+        try:
+            with self._engine.connect() as conn:
+                dbapi: Any = conn.connection.dbapi_connection
+                self._unflushed_commits(dbapi)
+                with conn.begin():
+                    self._run_batch(conn, dbapi, batch, outcomes)
+        except _Replay:
+            self._commit_with_savepoints(batch)
+            return
+        except Exception as exc:  # the commit (or the transaction) failed: nothing is durable
+            failure = _translate_error(exc)
+            for job in batch:
+                _resolve(job, None, failure)
+            return
+        self._committed(outcomes)
+
+    @staticmethod
+    def _unflushed_commits(dbapi: Any) -> None:
+        # Idempotent and cheap (no I/O); the engine's connect hook sets FULL.
+        dbapi.execute("PRAGMA synchronous=NORMAL")
+
+    @staticmethod
+    def _run_batch(
+        conn: Connection, dbapi: Any, batch: list[_Job], outcomes: list[_Outcome]
+    ) -> None:
+        for job in batch:
+            changes = dbapi.total_changes
+            try:
+                outcomes.append((job, job[0](conn), None))
+            except Exception as exc:
+                if dbapi.total_changes != changes or not dbapi.in_transaction:
+                    raise _Replay from exc
+                # It failed before changing anything: nothing to undo.
+                outcomes.append((job, None, _translate_error(exc)))
+
+    def _commit_with_savepoints(self, batch: list[_Job]) -> None:
+        assert self._engine is not None
+        outcomes: list[_Outcome] = []
+        try:
+            with self._engine.begin() as conn:
+                for job in batch:
+                    try:
+                        with conn.begin_nested():
+                            outcomes.append((job, job[0](conn), None))
+                    except Exception as exc:  # this write alone rolls back to its savepoint
+                        outcomes.append((job, None, _translate_error(exc)))
+        except Exception as exc:  # the commit (or the transaction) failed: nothing is durable
+            failure = _translate_error(exc)
+            for job in batch:
+                _resolve(job, None, failure)
+            return
+        self._committed(outcomes)
+
+    def _committed(self, outcomes: list[_Outcome]) -> None:
+        """Acknowledge what needs no flush now; hand the rest to the flusher."""
+        waiting: list[_Outcome] = []
+        for out in outcomes:
+            job, _value, error = out
+            if job[3] and error is None:
+                waiting.append(out)
+            else:
+                _resolve(*out)
+        if waiting:
+            self._flushes.put(waiting)
+
+    def _flush_loop(self) -> None:
+        while True:
+            first = self._flushes.get()
+            if first is None:
+                return
+            waiting = list(first)
+            stop = False
+            while True:
+                try:
+                    more = self._flushes.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    stop = True
+                    break
+                waiting += more
+            try:
+                self._flush_wal()
+            except OSError as exc:
+                failure = Unavailable(f"ledger database unavailable: flush failed: {exc}")
+                for job, _value, _error in waiting:
+                    _resolve(job, None, failure)
+            else:
+                for out in waiting:
+                    _resolve(*out)
+            if stop:
+                return
+
+    def _flush_wal(self) -> None:
+        """``fdatasync`` the WAL (what a ``synchronous=FULL`` commit does); when there is no WAL
+        file (checkpointed and removed), the database file holds the commits: flush it."""
+        for path in (self._db_path + "-wal", self._db_path):
+            try:
+                fd = os.open(path, os.O_RDONLY)
+            except FileNotFoundError:
+                continue
+            try:
+                os.fdatasync(fd)
+            finally:
+                os.close(fd)
+            return
+
+
+# (body, future, the caller's loop, whether its commit must wait for the flush)
+_Job = tuple[Callable[[Connection], Any], "asyncio.Future[Any]", asyncio.AbstractEventLoop, bool]
+
+
+_Outcome = tuple[_Job, Any, BaseException | None]
+
+
+class _Replay(Exception):
+    """A write failed after changing rows: roll the batch back and rerun it with savepoints."""
+
+
+def _resolve(job: _Job, value: Any, error: BaseException | None) -> None:
+    _body, fut, loop, _flush = job
+
+    def settle() -> None:
+        if fut.done():
+            return
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(value)
+
+    with contextlib.suppress(RuntimeError):  # the caller's loop is gone: nobody is waiting
+        loop.call_soon_threadsafe(settle)

@@ -1,0 +1,67 @@
+"""Driver errors are translated by constraint name (issue 9), on SQLite and Postgres."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import pytest
+import sqlalchemy as sa
+from sqlalchemy.engine import Connection
+
+from ledger.errors import InvalidInput
+from ledger.storage.core import D
+from ledger.storage.translate import REFUSED_BY, constraint_name
+from ledger.store import Ledger
+from ledger.tables import Base
+
+Rid = Callable[[str], str]
+
+
+def test_every_constraint_of_the_schema_has_a_decision() -> None:
+    declared = {
+        str(c.name)
+        for table in Base.metadata.sorted_tables
+        for c in table.constraints
+        if isinstance(c, sa.CheckConstraint | sa.UniqueConstraint)
+    }
+    assert declared == set(REFUSED_BY)
+
+
+def test_constraint_name_reads_sqlite_messages() -> None:
+    assert constraint_name(Exception("CHECK constraint failed: ck_calls_status")) == (
+        "ck_calls_status"
+    )
+    unique = Exception("UNIQUE constraint failed: calls.rollout_id, calls.model_call_id")
+    assert constraint_name(unique) == "uq_calls_rollout_id_model_call_id"
+    assert constraint_name(Exception("NOT NULL constraint failed: calls.model")) is None
+
+
+async def test_a_check_violation_is_named(ledger: Ledger, rid: Rid) -> None:
+    r = rid("check")
+    with pytest.raises(InvalidInput, match="ck_deliveries_outcome"):
+        await ledger.record_delivery(
+            r,
+            snapshot_id=None,
+            version=None,
+            outcome="nonsense",
+            mask_reasons=[],
+            metrics={},
+            terminal=None,
+        )
+
+
+async def test_a_unique_violation_is_named_and_changes_nothing(ledger: Ledger, rid: Rid) -> None:
+    r, key = rid("unique"), rid("key")
+
+    def twice(conn: Connection) -> None:
+        ledger._lock_rollout(conn, r)
+        for _ in range(2):
+            conn.execute(
+                D.insert().values(rollout_id=r, outcome="masked", metrics={}, idempotency_key=key)
+            )
+
+    with pytest.raises(InvalidInput, match="uq_deliveries_idempotency_key"):
+        await ledger._transact(twice)
+    async with ledger._read() as conn:
+        rows = (await conn.execute(sa.select(D.c.id).where(D.c.rollout_id == r))).all()
+    assert rows == []
