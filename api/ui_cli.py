@@ -22,35 +22,13 @@ class UiError(Exception):
 
 def check_ledger(db: str) -> None:
     """Refuse a URL with no ledger behind it (this command never creates or migrates one)."""
-    from sqlalchemy.engine import make_url
-
-    from ledger import migrate
-    from ledger.engine import normalize_url
+    from ledger.cli_errors import explain
+    from ledger.presence import require_ledger
 
     try:
-        url = normalize_url(make_url(db))
+        asyncio.run(require_ledger(db))
     except Exception as exc:
-        raise UiError(f"{exc}") from None
-    if url.get_backend_name() == "sqlite":
-        path = url.database or ""
-        if not path or path == ":memory:" or not Path(path).is_file():
-            raise UiError(
-                f"no ledger database at {path or db!r}: point --db at the file `serve` or "
-                "`collect` wrote (sqlite+aiosqlite:///PATH)"
-            )
-    try:
-        current = asyncio.run(migrate.current_revision(db))
-    except Exception as exc:
-        first = str(exc).split("\n", 1)[0]
-        raise UiError(f"cannot read the ledger at {db}: {first}") from None
-    head = migrate.head_revision()
-    if current is None:
-        raise UiError(f"{db} holds no ledger schema: is this the right database?")
-    if current != head:
-        raise UiError(
-            f"the ledger schema is at revision {current} but this version reads {head}: "
-            f"run `rollout-ledger db upgrade --db {db}` first"
-        )
+        raise UiError(explain(exc)) from None
 
 
 def register(app: typer.Typer) -> None:

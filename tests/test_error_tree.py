@@ -29,7 +29,7 @@ OUTSIDE = {
     "ledger.collect.CollectFailed",
     "ledger.collect.CollectRefused",
     "ledger.config.ConfigError",
-    "ledger.store._Replay",
+    "ledger.storage.writer._Replay",
 }
 
 
