@@ -13,15 +13,16 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
-from typing import Any, cast
+from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.dialects.postgresql import JSONB
 
 from ledger.errors import InvalidInput, LedgerError
 from ledger.ids import validate_rollout_id
+from ledger.storage.audit import latest_build, rollouts_with_latest_build
+from ledger.storage.core import IE, C, D, Q, R
 from ledger.store import Ledger
-from ledger.tables import Call, Delivery, IncompleteEvent, LineageEdge, QuarantineRow, Rollout
 
 __all__ = [
     "OUTCOME_FILTERS",
@@ -33,12 +34,6 @@ __all__ = [
     "RolloutRow",
 ]
 
-R = cast(sa.Table, Rollout.__table__)
-C = cast(sa.Table, Call.__table__)
-E = cast(sa.Table, LineageEdge.__table__)
-Q = cast(sa.Table, QuarantineRow.__table__)
-IE = cast(sa.Table, IncompleteEvent.__table__)
-D = cast(sa.Table, Delivery.__table__)
 
 # ``none``: never built.  ``masked`` covers failed builds too (both are masked from the loss).
 OUTCOME_FILTERS = ("delivered", "masked", "failed", "none")
@@ -140,13 +135,6 @@ class AuditViews:
             epoch = sa.cast(sa.func.strftime(sa.literal_column("'%s'"), column), sa.BigInteger)
         return (epoch - start) // width
 
-    def _latest_build(self, since: datetime | None = None) -> Any:
-        """Each rollout's latest build (only among builds since ``since`` when given)."""
-        q = sa.select(D.c.rollout_id, sa.func.max(D.c.id).label("did"))
-        if since is not None:
-            q = q.where(D.c.built_at >= since)
-        return q.group_by(D.c.rollout_id).subquery("latest")
-
     async def health(
         self, *, since: datetime, until: datetime | None = None, buckets: int = 48
     ) -> HealthReport:
@@ -182,7 +170,7 @@ class AuditViews:
             .where(R.c.created_at >= since, R.c.created_at <= until)
             .group_by(roll_b)
         )
-        latest = self._latest_build(since)  # the window ends now: latest there is latest
+        latest = latest_build(since)  # the window ends now: latest there is latest
         build_b = self._bucket_of(D.c.built_at, first, bucket_s).label("b")
         build_q = (
             sa.select(build_b, D.c.outcome, D.c.mask_reasons, D.c.consumer, sa.func.count())
@@ -250,32 +238,8 @@ class AuditViews:
     ) -> RolloutPage:
         """Rollouts, most recently changed first, filtered by state, latest build outcome, a
         reason (mask reason, incomplete cause or quarantine reason), consumer and time."""
-        latest = self._latest_build()
-        n_calls = (
-            sa.select(sa.func.count())
-            .where(C.c.rollout_id == R.c.rollout_id, C.c.status == "captured")
-            .scalar_subquery()
-        )
-        q = (
-            sa.select(
-                R.c.rollout_id,
-                R.c.state,
-                R.c.incomplete,
-                R.c.version,
-                R.c.created_at,
-                R.c.updated_at,
-                n_calls.label("n_calls"),
-                D.c.outcome,
-                D.c.mask_reasons,
-                D.c.consumer,
-                D.c.built_at,
-            )
-            .select_from(
-                R.outerjoin(latest, latest.c.rollout_id == R.c.rollout_id).outerjoin(
-                    D, D.c.id == latest.c.did
-                )
-            )
-            .order_by(R.c.updated_at.desc(), R.c.rollout_id.desc())
+        q = rollouts_with_latest_build(D.c.consumer, D.c.built_at).order_by(
+            R.c.updated_at.desc(), R.c.rollout_id.desc()
         )
         if state:
             q = q.where(R.c.state == state)

@@ -15,7 +15,7 @@ from ledger.errors import (
 from ledger.ids import validate_rollout_id
 from ledger.storage.core import IE, C, D, E, LedgerCore, Q, R, T
 
-__all__ = ["Audit", "RolloutSummary"]
+__all__ = ["Audit", "RolloutSummary", "latest_build", "rollouts_with_latest_build"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,11 +42,7 @@ class Audit:
         self.ledger = ledger
 
     def _latest_delivery(self) -> Any:
-        return (
-            sa.select(D.c.rollout_id, sa.func.max(D.c.id).label("did"))
-            .group_by(D.c.rollout_id)
-            .subquery("latest")
-        )
+        return latest_build()
 
     async def list_rollouts(
         self,
@@ -64,32 +60,7 @@ class Audit:
         ``reason`` matches a mask reason or an incomplete-event reason (the cause behind
         ``capture_incomplete``).
         """
-        latest = self._latest_delivery()
-        n_calls = (
-            sa.select(sa.func.count())
-            .where(C.c.rollout_id == R.c.rollout_id, C.c.status == "captured")
-            .scalar_subquery()
-        )
-        q = (
-            sa.select(
-                R.c.rollout_id,
-                R.c.state,
-                R.c.incomplete,
-                R.c.version,
-                R.c.created_at,
-                R.c.updated_at,
-                n_calls.label("n_calls"),
-                D.c.outcome,
-                D.c.mask_reasons,
-                D.c.metrics,
-            )
-            .select_from(
-                R.outerjoin(latest, latest.c.rollout_id == R.c.rollout_id).outerjoin(
-                    D, D.c.id == latest.c.did
-                )
-            )
-            .order_by(R.c.rollout_id)
-        )
+        q = rollouts_with_latest_build(D.c.metrics).order_by(R.c.rollout_id)
         if state:
             q = q.where(R.c.state == state)
         if outcome:
@@ -299,3 +270,39 @@ def _row_dict(row: Any, drop: tuple[str, ...] = ()) -> dict[str, Any]:
             value = (value if value.tzinfo else value.replace(tzinfo=UTC)).isoformat()
         out[key] = value
     return out
+
+
+def latest_build(since: datetime | None = None) -> Any:
+    """Each rollout's latest build (its highest delivery id), among builds since ``since`` when
+    given: a subquery of ``rollout_id`` and ``did``."""
+    q = sa.select(D.c.rollout_id, sa.func.max(D.c.id).label("did"))
+    if since is not None:
+        q = q.where(D.c.built_at >= since)
+    return q.group_by(D.c.rollout_id).subquery("latest")
+
+
+def rollouts_with_latest_build(*columns: Any) -> Any:
+    """Every rollout with its captured-call count, its latest build's outcome and mask reasons,
+    and that build's ``columns`` (NULL for a rollout never built): the audit listings' base."""
+    latest = latest_build()
+    n_calls = (
+        sa.select(sa.func.count())
+        .where(C.c.rollout_id == R.c.rollout_id, C.c.status == "captured")
+        .scalar_subquery()
+    )
+    return sa.select(
+        R.c.rollout_id,
+        R.c.state,
+        R.c.incomplete,
+        R.c.version,
+        R.c.created_at,
+        R.c.updated_at,
+        n_calls.label("n_calls"),
+        D.c.outcome,
+        D.c.mask_reasons,
+        *columns,
+    ).select_from(
+        R.outerjoin(latest, latest.c.rollout_id == R.c.rollout_id).outerjoin(
+            D, D.c.id == latest.c.did
+        )
+    )
