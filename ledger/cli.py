@@ -268,9 +268,11 @@ def main() -> None:  # pragma: no cover - console entry point
 
 
 def _register_subcommands() -> None:
-    from ledger import cli_ops
+    """``collect`` and the ``audit`` sub-app, in the order ``--help`` lists them."""
+    from ledger import cli_audit, cli_ops
 
-    cli_ops.register(app)
+    app.command("collect")(cli_ops.collect_cmd)
+    app.add_typer(cli_audit.audit_app(), name="audit")
 
 
 _register_subcommands()
