@@ -88,13 +88,24 @@ def _keep_environment_mask(result: Mapping[str, Any], build: dict[str, Any]) -> 
     """An environment's ``mask_sample: true`` stands whatever capture says (as in NeMo Gym):
     name it among the record's mask reasons.  The build's own verdict (``mask_sample``, which
     decides retirement) stays the capture's."""
-    if not result.get("mask_sample"):
+    if not result.get("mask_sample") or _masked_by_an_earlier_build(result):
         return
     for holder in (build, build.get("metrics")):
         if isinstance(holder, dict):
             reasons = list(holder.get("mask_reasons") or [])
             if ENVIRONMENT_MASK_REASON not in reasons:
                 holder["mask_reasons"] = [*reasons, ENVIRONMENT_MASK_REASON]
+
+
+def _masked_by_an_earlier_build(result: Mapping[str, Any]) -> bool:
+    """A result finalized before (it carries ``_ng_token_capture``) whose ``mask_sample`` was
+    that build's capture verdict, not the environment's: finalizing it again must not report an
+    environment mask."""
+    earlier = result.get("_ng_token_capture")
+    if not isinstance(earlier, Mapping):
+        return False
+    reasons = earlier.get("mask_reasons") or ()
+    return bool(reasons) and ENVIRONMENT_MASK_REASON not in reasons
 
 
 def _apply(result: dict[str, Any], build: dict[str, Any]) -> None:

@@ -165,6 +165,22 @@ async def test_5a_environment_mask_is_kept_with_its_reason(ledger: Ledger, rid: 
     assert build["mask_sample"] is False and delivered_items(result)
 
 
+async def test_5a_a_capture_mask_finalized_again_is_not_an_environment_mask(
+    ledger: Ledger, rid: Rid
+) -> None:
+    r = rid("refinal")
+    await put_all(ledger, loop(r, 2))
+    await ledger.mark_incomplete(r, "c1", reason="missing_token_ids", detail="no ids")
+    result = result_for(r, _ng_terminal_model_call_id="c1")
+    await finalize_rollout_token_capture(result, ledger)
+    assert result["mask_sample"] is True
+    first = list(result["_ng_token_capture"]["mask_reasons"])
+    assert "environment_mask_sample" not in first
+    await finalize_rollout_token_capture(result, ledger)  # e.g. a collect over its own output
+    assert result["mask_sample"] is True
+    assert result["_ng_token_capture"]["mask_reasons"] == first
+
+
 async def test_5a_collect_writes_the_environment_mask(
     db_url: str, rid: Rid, tmp_path: Path
 ) -> None:
