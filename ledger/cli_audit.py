@@ -30,6 +30,14 @@ from ledger.cli_ops import (
     ts,
 )
 
+SinceOption = Annotated[
+    str | None,
+    typer.Option(help="Only rollouts updated since: 30m, 1h, 2d, or an ISO 8601 time."),
+]
+LimitOption = Annotated[
+    int, typer.Option(min=1, max=100_000, help="At most this many rows.", show_default=True)
+]
+
 
 class _LocalAudit:
     """Audit queries straight from a database (never creates or migrates it)."""
@@ -259,13 +267,8 @@ def audit_list(
         str | None,
         typer.Option(help="Only rollouts with this mask reason or incomplete cause."),
     ] = None,
-    since: Annotated[
-        str | None,
-        typer.Option(help="Only rollouts updated since: 30m, 1h, 2d, or an ISO 8601 time."),
-    ] = None,
-    limit: Annotated[
-        int, typer.Option(min=1, max=100_000, help="At most this many rows.", show_default=True)
-    ] = 100,
+    since: SinceOption = None,
+    limit: LimitOption = 100,
     wide: WideFlag = False,
     as_json: JsonFlag = False,
 ) -> None:
@@ -300,13 +303,8 @@ def audit_masked(
             "missing_token_ids)."
         ),
     ] = None,
-    since: Annotated[
-        str | None,
-        typer.Option(help="Only rollouts updated since: 30m, 1h, 2d, or an ISO 8601 time."),
-    ] = None,
-    limit: Annotated[
-        int, typer.Option(min=1, max=100_000, help="At most this many rows.", show_default=True)
-    ] = 100,
+    since: SinceOption = None,
+    limit: LimitOption = 100,
     wide: WideFlag = False,
     as_json: JsonFlag = False,
 ) -> None:
@@ -350,10 +348,7 @@ def audit_show(
 def audit_stats(
     db: DbOption = DEFAULT_DB_URL,
     token: TokenOption = None,
-    since: Annotated[
-        str | None,
-        typer.Option(help="Only rollouts updated since: 30m, 1h, 2d, or an ISO 8601 time."),
-    ] = None,
+    since: SinceOption = None,
     as_json: JsonFlag = False,
 ) -> None:
     """Counts by state, outcome and reason; mask fraction; delivered-fraction distribution."""
