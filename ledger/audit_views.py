@@ -16,11 +16,10 @@ from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import sqlalchemy as sa
-from sqlalchemy.dialects.postgresql import JSONB
 
 from ledger.errors import InvalidInput, LedgerError
 from ledger.ids import validate_rollout_id
-from ledger.storage.audit import latest_build, rollouts_with_latest_build
+from ledger.storage.audit import json_array_holds, latest_build, rollouts_with_latest_build
 from ledger.storage.core import IE, C, D, Q, R
 from ledger.store import Ledger
 
@@ -218,10 +217,7 @@ class AuditViews:
     # ------------------------------------------------------------------ rollout list
 
     def _has_mask_reason(self, reason: str) -> Any:
-        if self.ledger.dialect == "postgresql":
-            return sa.type_coerce(D.c.mask_reasons, JSONB).contains([reason])
-        # A reason matches ^[a-z][a-z0-9_]*$, so its JSON string needs no escaping.
-        return sa.func.instr(D.c.mask_reasons, f'"{reason}"') > 0
+        return json_array_holds(self.ledger.dialect, D.c.mask_reasons, reason)
 
     async def rollouts(
         self,

@@ -13,6 +13,8 @@ import re
 import sys
 from typing import Any, NoReturn
 
+from ledger.redact import redact_text
+
 __all__ = ["CliError", "explain", "fail", "run_cli", "strip_debug"]
 
 DEBUG_HINT = "(--debug shows the traceback)"
@@ -43,21 +45,17 @@ def _first_line(text: str) -> str:
     return re.sub(r"^\((?:[\w.]+)\)\s*", "", line).strip()
 
 
-def _hide_passwords(text: str) -> str:
-    return re.sub(r"(://[^:/@\s]+:)[^@\s]+@", r"\1***@", text)
-
-
 def explain(exc: BaseException) -> str:
     """The one-line message for an exception a command let through."""
     name = type(exc).__name__
     module = type(exc).__module__
-    text = _hide_passwords(_first_line(str(exc)))
+    text = redact_text(_first_line(str(exc)))
     if isinstance(exc, CliError):
         return str(exc)
     from ledger.errors import AccessDenied, LedgerError, NoLedger, Unavailable
 
     if isinstance(exc, NoLedger):
-        return _hide_passwords(exc.message)
+        return redact_text(exc.message)
     if isinstance(exc, AccessDenied):
         return f"{text}: pass a token with the scope this command needs (--token)"
     if isinstance(exc, Unavailable):

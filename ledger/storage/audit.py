@@ -15,7 +15,13 @@ from ledger.errors import (
 from ledger.ids import validate_rollout_id
 from ledger.storage.core import IE, C, D, E, LedgerCore, Q, R, T
 
-__all__ = ["Audit", "RolloutSummary", "latest_build", "rollouts_with_latest_build"]
+__all__ = [
+    "Audit",
+    "RolloutSummary",
+    "json_array_holds",
+    "latest_build",
+    "rollouts_with_latest_build",
+]
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,22 +247,25 @@ class Audit:
         }
 
 
+def json_array_holds(dialect: str, column: Any, value: str, path: str | None = None) -> Any:
+    """The JSON array in ``column`` (at ``path``, e.g. ``$.incomplete_reasons``) holds ``value``
+    as an element: an exact match, in SQL, on both dialects."""
+    if dialect == "postgresql":
+        array: Any = sa.cast(column, JSONB)
+        if path is not None:
+            array = array[path.removeprefix("$.")]
+        return array.has_key(value)
+    args = (column,) if path is None else (column, path)
+    elements = sa.func.json_each(*args).table_valued("value").alias("element")
+    return sa.exists().select_from(elements).where(elements.c.value == value)
+
+
 def _names_reason(dialect: str, reason: str) -> Any:
     """The latest delivery names ``reason`` among its mask reasons or among the causes behind
     ``capture_incomplete`` (``metrics.incomplete_reasons``): an exact element match, in SQL."""
-    if dialect == "postgresql":
-        metrics = sa.cast(D.c.metrics, JSONB)
-        return sa.or_(
-            sa.cast(D.c.mask_reasons, JSONB).has_key(reason),
-            metrics["incomplete_reasons"].has_key(reason),
-        )
-    masks = sa.func.json_each(D.c.mask_reasons).table_valued("value").alias("mask")
-    causes = (
-        sa.func.json_each(D.c.metrics, "$.incomplete_reasons").table_valued("value").alias("cause")
-    )
     return sa.or_(
-        sa.exists().select_from(masks).where(masks.c.value == reason),
-        sa.exists().select_from(causes).where(causes.c.value == reason),
+        json_array_holds(dialect, D.c.mask_reasons, reason),
+        json_array_holds(dialect, D.c.metrics, reason, "$.incomplete_reasons"),
     )
 
 

@@ -78,12 +78,10 @@ class CaptureOps(LineageOps):
         """Cancel the open failed attempts a successful retry with ``retry_key`` replaced (they
         produced nothing the harness saw); returns their call ids."""
         validate_rollout_id(rollout_id)
-        noted = sa.select(C.c.id).where(
-            C.c.rollout_id == rollout_id, C.c.status == "intent", C.c.extra.is_not(None)
-        )
+        open_noted = (C.c.rollout_id == rollout_id, C.c.status == "intent", C.c.extra.is_not(None))
         # A plain read first: the common case (nothing failed) costs no write transaction.
         async with self._read() as conn:
-            if (await conn.execute(noted.limit(1))).first() is None:
+            if (await conn.execute(sa.select(C.c.id).where(*open_noted).limit(1))).first() is None:
                 return []
 
         def body(conn: Connection) -> list[str]:
@@ -91,9 +89,7 @@ class CaptureOps(LineageOps):
             if state.state != "open":
                 return []
             rows = conn.execute(
-                sa.select(C.c.id, C.c.model_call_id, C.c.extra).where(
-                    C.c.rollout_id == rollout_id, C.c.status == "intent", C.c.extra.is_not(None)
-                )
+                sa.select(C.c.id, C.c.model_call_id, C.c.extra).where(*open_noted)
             ).all()
             settled = [r for r in rows if _failed_attempt(r.extra).get("retry_key") == retry_key]
             if settled:
