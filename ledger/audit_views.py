@@ -15,12 +15,9 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-import sqlalchemy as sa
-
 from ledger.errors import InvalidInput, LedgerError
 from ledger.ids import validate_rollout_id
-from ledger.storage.audit import json_array_holds, latest_build, rollouts_with_latest_build
-from ledger.storage.core import IE, C, D, Q, R
+from ledger.storage import queries
 from ledger.store import Ledger
 
 __all__ = [
@@ -119,21 +116,6 @@ class AuditViews:
 
     # ------------------------------------------------------------------ time buckets
 
-    def _bucket_of(self, column: Any, since: datetime, bucket_s: int) -> Any:
-        """SQL for ``floor((column - since) / bucket_s)`` on this ledger's dialect.
-
-        The two integers are inlined (not bound) so that Postgres sees the same expression in
-        the select list and in GROUP BY.
-        """
-        start = sa.literal_column(str(int(since.timestamp())), sa.BigInteger)
-        width = sa.literal_column(str(int(bucket_s)), sa.BigInteger)
-        if self.ledger.dialect == "postgresql":
-            epoch = sa.cast(sa.func.floor(sa.extract("epoch", column)), sa.BigInteger)
-        else:
-            # SQLite stores UTC datetimes as text; strftime('%s') reads them as UTC seconds.
-            epoch = sa.cast(sa.func.strftime(sa.literal_column("'%s'"), column), sa.BigInteger)
-        return (epoch - start) // width
-
     async def health(
         self, *, since: datetime, until: datetime | None = None, buckets: int = 48
     ) -> HealthReport:
@@ -157,31 +139,12 @@ class AuditViews:
             i = int(index)
             return out[i] if 0 <= i < n else None
 
-        calls_b = self._bucket_of(C.c.recorded_at, first, bucket_s).label("b")
-        calls_q = (
-            sa.select(calls_b, sa.func.count())
-            .where(C.c.status == "captured", C.c.recorded_at >= since, C.c.recorded_at <= until)
-            .group_by(calls_b)
-        )
-        roll_b = self._bucket_of(R.c.created_at, first, bucket_s).label("b")
-        roll_q = (
-            sa.select(roll_b, sa.func.count())
-            .where(R.c.created_at >= since, R.c.created_at <= until)
-            .group_by(roll_b)
-        )
-        latest = latest_build(since)  # the window ends now: latest there is latest
-        build_b = self._bucket_of(D.c.built_at, first, bucket_s).label("b")
-        build_q = (
-            sa.select(build_b, D.c.outcome, D.c.mask_reasons, D.c.consumer, sa.func.count())
-            .join(latest, latest.c.did == D.c.id)
-            .where(D.c.built_at >= since, D.c.built_at <= until)
-            .group_by(build_b, D.c.outcome, D.c.mask_reasons, D.c.consumer)
-        )
-        events_q = (
-            sa.select(IE.c.reason, sa.func.count())
-            .where(IE.c.created_at >= since, IE.c.created_at <= until)
-            .group_by(IE.c.reason)
-        )
+        sql = self.ledger.sql
+        calls_q = queries.captured_per_bucket(sql, first, bucket_s, since, until)
+        roll_q = queries.started_per_bucket(sql, first, bucket_s, since, until)
+        # The window ends now: the latest build in it is the latest build.
+        build_q = queries.builds_per_bucket(sql, first, bucket_s, since, until)
+        events_q = queries.incomplete_events_by_reason((since, until))
         consumers: set[str] = set()
         async with self.ledger._read() as conn:
             for b, count in (await conn.execute(calls_q)).all():
@@ -216,9 +179,6 @@ class AuditViews:
 
     # ------------------------------------------------------------------ rollout list
 
-    def _has_mask_reason(self, reason: str) -> Any:
-        return json_array_holds(self.ledger.dialect, D.c.mask_reasons, reason)
-
     async def rollouts(
         self,
         *,
@@ -234,50 +194,25 @@ class AuditViews:
     ) -> RolloutPage:
         """Rollouts, most recently changed first, filtered by state, latest build outcome, a
         reason (mask reason, incomplete cause or quarantine reason), consumer and time."""
-        q = rollouts_with_latest_build(D.c.consumer, D.c.built_at).order_by(
-            R.c.updated_at.desc(), R.c.rollout_id.desc()
-        )
-        if state:
-            q = q.where(R.c.state == state)
-        if outcome == "none":
-            q = q.where(D.c.id.is_(None))
-        elif outcome == "masked":
-            q = q.where(D.c.outcome.in_(("masked", "failed")))
-        elif outcome:
-            q = q.where(D.c.outcome == outcome)
-        if reason:
-            q = q.where(
-                sa.or_(
-                    self._has_mask_reason(reason),
-                    sa.exists().where(IE.c.rollout_id == R.c.rollout_id, IE.c.reason == reason),
-                    sa.exists().where(Q.c.rollout_id == R.c.rollout_id, Q.c.reason == reason),
-                )
-            )
-        if consumer is not None and consumer != "":
-            q = q.where(D.c.consumer == consumer)
-        if since is not None:
-            q = q.where(R.c.updated_at >= _utc(since))
-        if until is not None:
-            q = q.where(R.c.updated_at < _utc(until))
-        if id_prefix:
-            q = q.where(R.c.rollout_id.startswith(id_prefix, autoescape=True))
-        if cursor:
-            at, rid = _parse_cursor(cursor)
-            q = q.where(
-                sa.or_(R.c.updated_at < at, sa.and_(R.c.updated_at == at, R.c.rollout_id < rid))
-            )
         limit = max(1, min(limit, 500))
+        query = queries.page_rollouts(
+            self.ledger.sql,
+            state=state,
+            outcome=outcome,
+            reason=reason,
+            consumer=consumer,
+            since=_utc(since) if since is not None else None,
+            until=_utc(until) if until is not None else None,
+            id_prefix=id_prefix,
+            before=_parse_cursor(cursor) if cursor else None,
+            limit=limit + 1,
+        )
         async with self.ledger._read() as conn:
-            rows = (await conn.execute(q.limit(limit + 1))).all()
+            rows = (await conn.execute(query)).all()
             ids = [r.rollout_id for r in rows[:limit]]
             causes: dict[str, list[str]] = {}
             if ids:
-                found = await conn.execute(
-                    sa.select(IE.c.rollout_id, IE.c.reason)
-                    .where(IE.c.rollout_id.in_(ids))
-                    .group_by(IE.c.rollout_id, IE.c.reason)
-                    .order_by(IE.c.rollout_id, sa.func.min(IE.c.id))
-                )
+                found = await conn.execute(queries.incomplete_causes(ids))
                 for rid_, cause in found.all():
                     causes.setdefault(rid_, []).append(cause)
         items = [

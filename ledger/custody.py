@@ -25,10 +25,9 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Mapping, Sequence
-from typing import Annotated, Any, cast
+from typing import Annotated, Any
 
 import orjson
-import sqlalchemy as sa
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from sqlalchemy.engine import Connection
 
@@ -36,8 +35,8 @@ from ledger.errors import InvalidInput, PayloadConflict
 from ledger.gym_fingerprint import FINGERPRINT_VERSION, assistant_fingerprint, conversation_digest
 from ledger.gym_lineage import LineageMatch
 from ledger.ids import validate_rollout_id
+from ledger.storage import queries
 from ledger.store import Ledger
-from ledger.tables import CustodyRow
 
 __all__ = [
     "CallRecordIn",
@@ -48,8 +47,6 @@ __all__ = [
     "record",
     "record_failure",
 ]
-
-CR = cast(sa.Table, CustodyRow.__table__)
 
 # 0.7.0 staging wire versions (``staging.digest``) that manifests carry.
 STAGING_SCHEMA_VERSION = 2
@@ -162,11 +159,7 @@ async def record(ledger: Ledger, commit: Any) -> bool:
 
     def body(conn: Connection) -> bool:
         ledger._lock_rollout(conn, rid)
-        existing = conn.execute(
-            sa.select(CR.c.row_digest).where(
-                CR.c.rollout_id == rid, CR.c.model_call_id == cid, CR.c.failure_reason == ""
-            )
-        ).scalar_one_or_none()
+        existing = conn.execute(queries.committed_custody_digest(rid, cid)).scalar_one_or_none()
         if existing is not None:
             if existing != digest:
                 raise PayloadConflict(
@@ -176,7 +169,7 @@ async def record(ledger: Ledger, commit: Any) -> bool:
                 )
             return False
         conn.execute(
-            CR.insert().values(
+            queries.insert_custody_row(
                 rollout_id=rid,
                 model_call_id=cid,
                 failure_reason="",
@@ -205,17 +198,14 @@ async def record_failure(ledger: Ledger, rollout_id: str, model_call_id: str, re
     def body(conn: Connection) -> None:
         ledger._lock_rollout(conn, rid)
         conn.execute(
-            ledger._insert(CR)
-            .values(
+            queries.insert_custody_failure(
+                ledger.sql,
                 rollout_id=rid,
                 model_call_id=model_call_id,
                 failure_reason=reason,
                 context_len=0,
                 row=row,
                 row_digest=_digest(row),
-            )
-            .on_conflict_do_nothing(
-                index_elements=["rollout_id", "model_call_id", "failure_reason"]
             )
         )
 
@@ -226,13 +216,7 @@ async def manifest(ledger: Ledger, rollout_id: str) -> dict[str, Any]:
     """The rollout's token-free ledger as a ``RolloutManifest`` payload."""
     rid = validate_rollout_id(rollout_id)
     async with ledger._read() as conn:
-        rows = (
-            await conn.execute(
-                sa.select(CR.c.model_call_id, CR.c.failure_reason, CR.c.row)
-                .where(CR.c.rollout_id == rid)
-                .order_by(CR.c.id)
-            )
-        ).all()
+        rows = (await conn.execute(queries.custody_manifest_rows(rid))).all()
     records: list[dict[str, Any]] = []
     failures: list[dict[str, Any]] = []
 
@@ -288,9 +272,7 @@ async def has_rows(ledger: Ledger, rollout_id: str) -> bool:
     """Whether any custody row (committed or failed) exists for the rollout."""
     rid = validate_rollout_id(rollout_id)
     async with ledger._read() as conn:
-        found = (
-            await conn.execute(sa.select(CR.c.id).where(CR.c.rollout_id == rid).limit(1))
-        ).first()
+        found = (await conn.execute(queries.any_custody_row(rid))).first()
     return found is not None
 
 
@@ -299,12 +281,7 @@ def custody_match(
 ) -> LineageMatch | None:
     """The single committed custody row a request continues, or None (never a guess)."""
     rows = conn.execute(
-        sa.select(CR.c.context_len, CR.c.context_digest, CR.c.row).where(
-            CR.c.rollout_id == rollout_id,
-            CR.c.fingerprint == fingerprint,
-            CR.c.fingerprint_version == FINGERPRINT_VERSION,
-            CR.c.failure_reason == "",
-        )
+        queries.custody_candidates(rollout_id, fingerprint, FINGERPRINT_VERSION)
     ).all()
     if len(rows) != 1:
         return None

@@ -19,9 +19,8 @@ the first record, but a resolver must not build on an id that was reused.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
-import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from ledger import codec
@@ -31,14 +30,10 @@ from ledger.gym_fingerprint import assistant_fingerprint
 from ledger.gym_lineage import LineageCandidate, LineageMatch, LineageResolution, choose_parent
 from ledger.ids import validate_rollout_id
 from ledger.records import ParentResolutionStatus, gym_token_digest
+from ledger.storage import queries
 from ledger.store import Ledger
-from ledger.tables import Call, IncompleteEvent, Rollout
 
 __all__ = ["resolve_request"]
-
-R = cast(sa.Table, Rollout.__table__)
-C = cast(sa.Table, Call.__table__)
-IE = cast(sa.Table, IncompleteEvent.__table__)
 
 UNRESOLVED = ParentResolutionStatus.UNRESOLVED
 
@@ -57,9 +52,7 @@ async def resolve_request(
         return LineageResolution(ParentResolutionStatus.ROOT)
 
     def lookup(conn: Connection) -> LineageResolution:
-        state = conn.execute(
-            sa.select(R.c.state).where(R.c.rollout_id == rollout_id)
-        ).scalar_one_or_none()
+        state = conn.execute(queries.rollout_state(rollout_id)).scalar_one_or_none()
         if state == "retired":
             return LineageResolution(UNRESOLVED, reason="rollout_retired")
         try:
@@ -97,21 +90,10 @@ async def resolve_request(
 
 
 def _candidates(conn: Connection, rollout_id: str, fingerprint: str) -> list[LineageCandidate]:
-    stamped = C.c.extra["continuation_fingerprint"].as_string()
-    rows = conn.execute(
-        sa.select(C.c.model_call_id, C.c.cumulative_len, C.c.extra).where(
-            C.c.rollout_id == rollout_id, C.c.status == "captured", stamped == fingerprint
-        )
-    ).all()
+    rows = conn.execute(queries.gym_stamped_calls(rollout_id, fingerprint)).all()
     if not rows:
         return []
-    reused = set(
-        conn.execute(
-            sa.select(IE.c.model_call_id).where(
-                IE.c.rollout_id == rollout_id, IE.c.reason == "conflicting_payload"
-            )
-        ).scalars()
-    )
+    reused = set(conn.execute(queries.reused_call_ids(rollout_id)).scalars())
     out = []
     for r in rows:
         extra = r.extra or {}

@@ -13,10 +13,8 @@ import asyncio
 import contextlib
 import re
 from collections.abc import AsyncIterator, Callable
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
-import sqlalchemy as sa
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.engine import Connection
 from sqlalchemy.ext.asyncio import AsyncConnection, AsyncEngine
 
@@ -30,29 +28,22 @@ from ledger.errors import (
 )
 from ledger.ids import MAX_CALL_ID_LEN, is_valid_id
 from ledger.records import TokenEntry
-from ledger.storage import ingest
+from ledger.storage import ingest, queries
+from ledger.storage.dialect import SqlDialect, sql_dialect
 from ledger.storage.results import RolloutState
 from ledger.storage.tips import TipCache
 from ledger.storage.translate import _translate_error, _translate_pg_error
 from ledger.storage.writer import _GroupCommit
-from ledger.tables import (
-    Call,
-    CallTokens,
-    Delivery,
-    IncompleteEvent,
-    LineageEdge,
-    QuarantineRow,
-    Rollout,
-    utcnow,
-)
 
-R = cast(sa.Table, Rollout.__table__)
-C = cast(sa.Table, Call.__table__)
-T = cast(sa.Table, CallTokens.__table__)
-E = cast(sa.Table, LineageEdge.__table__)
-Q = cast(sa.Table, QuarantineRow.__table__)
-IE = cast(sa.Table, IncompleteEvent.__table__)
-D = cast(sa.Table, Delivery.__table__)
+# The tables under their former one-letter names, for the rooms that still build statements
+# inline (``capture``, ``snapshot``); new code uses ``ledger.storage.queries``.
+R = queries.rollouts
+C = queries.calls
+T = queries.call_tokens
+E = queries.lineage_edges
+Q = queries.quarantines
+IE = queries.incomplete_events
+D = queries.deliveries
 
 _T = TypeVar("_T")
 _REASON_RE = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
@@ -121,6 +112,8 @@ class LedgerCore:
         # A process crash never loses a committed intent either way.
         self.flush_intents = flush_intents
         self.dialect = self.engine.dialect.name
+        # The SQL pieces this engine's dialect spells its own way (``ledger.storage.dialect``).
+        self.sql: SqlDialect = sql_dialect(self.dialect)
 
         self._schema_ready = False
         self._schema_lock = asyncio.Lock()
@@ -263,7 +256,7 @@ class LedgerCore:
             raise Unavailable(f"ledger database unavailable: {exc}") from exc
 
     def _now(self) -> Any:
-        return ingest.sqlite_now() if self.dialect == "sqlite" else utcnow()
+        return self.sql.now()
 
     @contextlib.asynccontextmanager
     async def _write(self) -> AsyncIterator[AsyncConnection]:
@@ -281,44 +274,20 @@ class LedgerCore:
             async with conn.begin():
                 yield conn
 
-    def _insert(self, table: sa.Table) -> Any:
-        return (postgresql.insert if self.dialect == "postgresql" else sqlite.insert)(table)
-
     def _lock_rollout(self, conn: Connection, rollout_id: str) -> RolloutState:
         """Create the rollout row if needed and lock it for the rest of the transaction."""
-        conn.execute(
-            self._insert(R)
-            .values(rollout_id=rollout_id, state="open", incomplete=False, version=0)
-            .on_conflict_do_nothing(index_elements=["rollout_id"])
-        )
-        row = (
-            conn.execute(
-                sa.select(R.c.state, R.c.incomplete, R.c.snapshot_id, R.c.version)
-                .where(R.c.rollout_id == rollout_id)
-                .with_for_update()
-            )
-        ).one()
+        conn.execute(queries.create_rollout(self.sql, rollout_id))
+        row = conn.execute(self.sql.for_update(queries.rollout_head(rollout_id))).one()
         return RolloutState(rollout_id, row.state, row.incomplete, row.snapshot_id, row.version)
 
     def _bump(self, conn: Connection, rollout_id: str, **values: Any) -> int:
-        row = (
-            conn.execute(
-                R.update()
-                .where(R.c.rollout_id == rollout_id)
-                .values(version=R.c.version + 1, updated_at=utcnow(), **values)
-                .returning(R.c.version)
-            )
-        ).one()
+        row = conn.execute(queries.bump_version(rollout_id, **values)).one()
         return int(row.version)
 
     def _add_incomplete(
         self, conn: Connection, rollout_id: str, call_id: str, reason: str, detail: str
     ) -> int:
-        conn.execute(
-            IE.insert().values(
-                rollout_id=rollout_id, model_call_id=call_id, reason=reason, detail=detail[:4000]
-            )
-        )
+        conn.execute(queries.add_incomplete_event(rollout_id, call_id, reason, detail[:4000]))
         return self._bump(conn, rollout_id, incomplete=True)
 
     @staticmethod

@@ -6,7 +6,6 @@ from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from ledger.errors import (
@@ -14,7 +13,8 @@ from ledger.errors import (
 )
 from ledger.ids import validate_rollout_id
 from ledger.model import Quarantine
-from ledger.storage.core import C, D, LedgerCore, Q, R, T
+from ledger.storage import queries
+from ledger.storage.core import LedgerCore
 from ledger.storage.results import RetireOutcome, RolloutState
 from ledger.tables import (
     utcnow,
@@ -44,36 +44,13 @@ class LifecycleOps(LedgerCore):
 
         def body(conn: Connection) -> RetireOutcome:
             now = utcnow()
-            hit = (
-                conn.execute(
-                    R.update()
-                    .where(
-                        R.c.rollout_id == rollout_id,
-                        R.c.state == "frozen",
-                        R.c.snapshot_id == snapshot_id,
-                        R.c.version == version,
-                    )
-                    .values(state="retired", retired_at=now, updated_at=now)
-                    .returning(R.c.incomplete)
-                )
+            hit = conn.execute(
+                queries.retire_consumed(rollout_id, snapshot_id, version, now)
             ).one_or_none()
             if hit is None:
-                return _why_not_retired(conn, rollout_id, snapshot_id, version)
-            conn.execute(
-                T.delete().where(
-                    T.c.call_id.in_(sa.select(C.c.id).where(C.c.rollout_id == rollout_id))
-                )
-            )
-            conn.execute(
-                D.update()
-                .where(
-                    D.c.rollout_id == rollout_id,
-                    D.c.snapshot_id == snapshot_id,
-                    D.c.version == version,
-                    D.c.outcome == "delivered",
-                )
-                .values(retired_at=now)
-            )
+                return self._why_not_retired(conn, rollout_id, snapshot_id, version)
+            conn.execute(queries.delete_rollout_tokens(rollout_id))
+            conn.execute(queries.retire_deliveries(rollout_id, snapshot_id, version, now))
             state = RolloutState(rollout_id, "retired", hit.incomplete, snapshot_id, version)
             return RetireOutcome("retired", state)
 
@@ -87,7 +64,7 @@ class LifecycleOps(LedgerCore):
         validate_rollout_id(rollout_id)
 
         def body(conn: Connection) -> bool:
-            res = conn.execute(R.delete().where(R.c.rollout_id == rollout_id))
+            res = conn.execute(queries.delete_rollout(rollout_id))
             return bool(res.rowcount)
 
         self._tips.forget(rollout_id)
@@ -98,7 +75,7 @@ class LifecycleOps(LedgerCore):
         cutoff = datetime.now(UTC) - older_than
 
         def body(conn: Connection) -> int:
-            res = conn.execute(R.delete().where(R.c.state == "retired", R.c.retired_at <= cutoff))
+            res = conn.execute(queries.delete_retired_tombstones(cutoff))
             return int(res.rowcount or 0)
 
         return await self._transact(body)
@@ -106,13 +83,7 @@ class LifecycleOps(LedgerCore):
     async def get_state(self, rollout_id: str) -> RolloutState:
         validate_rollout_id(rollout_id)
         async with self._read() as conn:
-            row = (
-                await conn.execute(
-                    sa.select(R.c.state, R.c.incomplete, R.c.snapshot_id, R.c.version).where(
-                        R.c.rollout_id == rollout_id
-                    )
-                )
-            ).one_or_none()
+            row = (await conn.execute(queries.rollout_head(rollout_id))).one_or_none()
         if row is None:
             raise NotFound(f"no rollout {rollout_id!r} in the ledger", rollout_id=rollout_id)
         return RolloutState(rollout_id, row.state, row.incomplete, row.snapshot_id, row.version)
@@ -144,45 +115,37 @@ class LifecycleOps(LedgerCore):
         def body(conn: Connection) -> int:
             self._lock_rollout(conn, rollout_id)
             if idempotency_key is not None:
-                prior = (
-                    conn.execute(sa.select(D.c.id).where(D.c.idempotency_key == idempotency_key))
-                ).scalar_one_or_none()
+                prior = conn.execute(queries.delivery_by_key(idempotency_key)).scalar_one_or_none()
                 if prior is not None:
                     if handed_off_at is not None:
-                        conn.execute(
-                            D.update().where(D.c.id == prior).values(handed_off_at=handed_off_at)
-                        )
+                        conn.execute(queries.stamp_delivery(prior, handed_off_at=handed_off_at))
                     return int(prior)
-            did = (
-                conn.execute(
-                    D.insert()
-                    .values(
-                        rollout_id=rollout_id,
-                        snapshot_id=snapshot_id,
-                        version=version,
-                        outcome=outcome,
-                        mask_reasons=list(mask_reasons),
-                        metrics=metrics,
-                        terminal=terminal,
-                        consumer=consumer,
-                        idempotency_key=idempotency_key,
-                        handed_off_at=handed_off_at,
-                    )
-                    .returning(D.c.id)
+            did = conn.execute(
+                queries.insert_delivery(
+                    rollout_id=rollout_id,
+                    snapshot_id=snapshot_id,
+                    version=version,
+                    outcome=outcome,
+                    mask_reasons=list(mask_reasons),
+                    metrics=metrics,
+                    terminal=terminal,
+                    consumer=consumer,
+                    idempotency_key=idempotency_key,
+                    handed_off_at=handed_off_at,
                 )
             ).scalar_one()
             rows = [
                 {
                     "rollout_id": rollout_id,
                     "delivery_id": did,
-                    "model_call_id": q.model_call_id,
-                    "reason": q.reason,
-                    "detail": q.detail,
+                    "model_call_id": quarantine.model_call_id,
+                    "reason": quarantine.reason,
+                    "detail": quarantine.detail,
                 }
-                for q in quarantines
+                for quarantine in quarantines
             ]
             if rows:
-                conn.execute(Q.insert(), rows)
+                conn.execute(queries.insert_quarantines(), rows)
             return int(did)
 
         return await self._transact(body)
@@ -200,27 +163,22 @@ class LifecycleOps(LedgerCore):
             return
 
         def body(conn: Connection) -> None:
-            res = conn.execute(D.update().where(D.c.id == delivery_id).values(**values))
+            res = conn.execute(queries.stamp_delivery(delivery_id, **values))
             if not res.rowcount:
                 raise NotFound(f"no delivery {delivery_id} in the ledger")
 
         return await self._transact(body)
 
-
-def _why_not_retired(
-    conn: Connection, rollout_id: str, snapshot_id: str, version: int
-) -> RetireOutcome:
-    """The retire rule for a conditional update that matched nothing, read under the row lock."""
-    row = conn.execute(
-        sa.select(R.c.state, R.c.incomplete, R.c.snapshot_id, R.c.version)
-        .where(R.c.rollout_id == rollout_id)
-        .with_for_update()
-    ).one_or_none()
-    if row is None:
-        return RetireOutcome("unknown", None)
-    state = RolloutState(rollout_id, row.state, row.incomplete, row.snapshot_id, row.version)
-    if state.state != "retired":
-        return RetireOutcome("stale", state)
-    if (state.snapshot_id, state.version) == (snapshot_id, version):
-        return RetireOutcome("repeat", state)
-    return RetireOutcome("retired_elsewhere", state)
+    def _why_not_retired(
+        self, conn: Connection, rollout_id: str, snapshot_id: str, version: int
+    ) -> RetireOutcome:
+        """The retire rule for a conditional update that matched nothing, read under the lock."""
+        row = conn.execute(self.sql.for_update(queries.rollout_head(rollout_id))).one_or_none()
+        if row is None:
+            return RetireOutcome("unknown", None)
+        state = RolloutState(rollout_id, row.state, row.incomplete, row.snapshot_id, row.version)
+        if state.state != "retired":
+            return RetireOutcome("stale", state)
+        if (state.snapshot_id, state.version) == (snapshot_id, version):
+            return RetireOutcome("repeat", state)
+        return RetireOutcome("retired_elsewhere", state)

@@ -7,7 +7,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from ledger import codec
@@ -15,7 +14,8 @@ from ledger.errors import (
     InvalidRecord,
 )
 from ledger.ids import validate_call_id, validate_rollout_id
-from ledger.storage.core import C, LedgerCore, R, T
+from ledger.storage import queries
+from ledger.storage.core import LedgerCore
 from ledger.storage.results import (
     ContinuationCandidate,
     LineageResolution,
@@ -35,15 +35,6 @@ class LineageOps(LedgerCore):
 
     _LENGTH_BATCH = 16
 
-    def _candidate_filter(self, rollout_id: str) -> list[Any]:
-        return [
-            C.c.rollout_id == rollout_id,
-            C.c.status == "captured",
-            # An empty generation's cumulative tokens are its prompt: it would become the
-            # parent of its own retry.
-            C.c.generation_len > 0,
-        ]
-
     def _prove_parent(
         self, conn: Connection, rollout_id: str, prompt: bytes, prompt_len: int
     ) -> _Parent | None:
@@ -58,14 +49,8 @@ class LineageOps(LedgerCore):
         upper = prompt_len
         while True:
             lengths = (
-                (
-                    conn.execute(
-                        sa.select(C.c.cumulative_len)
-                        .where(*self._candidate_filter(rollout_id), C.c.cumulative_len <= upper)
-                        .group_by(C.c.cumulative_len)
-                        .order_by(C.c.cumulative_len.desc())
-                        .limit(self._LENGTH_BATCH)
-                    )
+                conn.execute(
+                    queries.parent_candidate_lengths(rollout_id, upper, self._LENGTH_BATCH)
                 )
                 .scalars()
                 .all()
@@ -73,19 +58,7 @@ class LineageOps(LedgerCore):
             if not lengths:
                 return None
             digests = codec.prefix_digests(prompt, lengths)
-            match = sa.or_(
-                *(
-                    sa.and_(C.c.cumulative_len == n, C.c.cumulative_digest == digests[n])
-                    for n in lengths
-                )
-            )
-            rows = (
-                conn.execute(
-                    sa.select(C.c.id, C.c.model_call_id, C.c.cumulative_len, C.c.generation_len)
-                    .where(*self._candidate_filter(rollout_id), match)
-                    .order_by(C.c.cumulative_len.desc(), C.c.model_call_id)
-                )
-            ).all()
+            rows = conn.execute(queries.parent_candidates_matching(rollout_id, digests)).all()
             if rows:
                 best = rows[0].cumulative_len
                 tied = [r for r in rows if r.cumulative_len == best]
@@ -96,53 +69,15 @@ class LineageOps(LedgerCore):
         """Check the winner's sampled tokens byte-for-byte (the digest covers the rest)."""
         win = tied[0]
         best = win.cumulative_len
-        gen = (
-            conn.execute(sa.select(T.c.generation_ids).where(T.c.call_id == win.id))
-        ).scalar_one_or_none()
+        gen = conn.execute(queries.generation_ids(win.id)).scalar_one_or_none()
         if gen is None or prompt[(best - win.generation_len) * 4 : best * 4] != gen:
             return None
         method = "identical_retry" if len(tied) > 1 else "token_prefix"
         return _Parent(win.id, win.model_call_id, best, method)
 
     def _ancestry_query(self, rollout_id: str, model_call_id: str, *, to_anchor: bool) -> Any:
-        """One recursive query walking verified parents from a call up to the root.
-
-        With ``to_anchor`` the walk stops at the nearest record that stores a full prompt.
-        """
-        base = sa.select(
-            C.c.id, C.c.parent_call_id, C.c.prompt_is_delta, sa.literal(0).label("depth")
-        ).where(C.c.rollout_id == rollout_id, C.c.model_call_id == model_call_id)
-        chain = base.cte("chain", recursive=True)
-        parent = C.alias("p")
-        step = sa.select(
-            parent.c.id, parent.c.parent_call_id, parent.c.prompt_is_delta, chain.c.depth + 1
-        ).where(
-            parent.c.rollout_id == rollout_id,
-            parent.c.model_call_id == chain.c.parent_call_id,
-            chain.c.depth < 1_000_000,
-        )
-        if to_anchor:
-            step = step.where(chain.c.prompt_is_delta)
-        chain = chain.union_all(step)
-        return (
-            sa.select(
-                C.c.model_call_id,
-                C.c.parent_call_id,
-                C.c.prompt_is_delta,
-                C.c.prompt_len,
-                C.c.cumulative_len,
-                C.c.cumulative_digest,
-                C.c.output_items,
-                C.c.token_item_index,
-                T.c.prompt_ids,
-                T.c.generation_ids,
-                T.c.log_probs,
-                T.c.log_prob_codec,
-                T.c.routed_experts,
-            )
-            .select_from(chain.join(C, C.c.id == chain.c.id).join(T, T.c.call_id == C.c.id))
-            .order_by(chain.c.depth.desc())
-        )
+        """The recursive chain query (``queries.ancestry``), as the snapshot room calls it."""
+        return queries.ancestry(rollout_id, model_call_id, to_anchor=to_anchor)
 
     async def _read_cumulative_bytes(self, rollout_id: str, model_call_id: str) -> bytes:
         """``_cumulative_bytes`` in a read transaction of its own."""
@@ -151,7 +86,7 @@ class LineageOps(LedgerCore):
 
     def _cumulative_bytes(self, conn: Connection, rollout_id: str, model_call_id: str) -> bytes:
         """A call's full prompt+generation, rebuilt from its nearest full record and checked."""
-        rows = (conn.execute(self._ancestry_query(rollout_id, model_call_id, to_anchor=True))).all()
+        rows = conn.execute(queries.ancestry(rollout_id, model_call_id, to_anchor=True)).all()
         if not rows or rows[0].prompt_is_delta:
             raise InvalidRecord(f"call {model_call_id!r} cannot be reconstructed: no full record")
         buf = bytearray()
@@ -172,9 +107,7 @@ class LineageOps(LedgerCore):
             return LineageResolution("unresolved", reason=f"invalid_prompt: {exc}")
 
         def lookup(conn: Connection) -> LineageResolution:
-            state = conn.execute(
-                sa.select(R.c.state).where(R.c.rollout_id == rollout_id)
-            ).scalar_one_or_none()
+            state = conn.execute(queries.rollout_state(rollout_id)).scalar_one_or_none()
             if state == "retired":
                 return LineageResolution("unresolved", reason="rollout_retired")
             parent = self._prove_parent(conn, rollout_id, prompt, len(prompt) // 4)
@@ -202,23 +135,10 @@ class LineageOps(LedgerCore):
         validate_rollout_id(rollout_id)
         if not fingerprint:
             return []
-        query = (
-            sa.select(
-                C.c.model_call_id,
-                C.c.cumulative_len,
-                C.c.cumulative_digest,
-                C.c.generation_len,
-                C.c.extra,
-            )
-            .where(
-                C.c.rollout_id == rollout_id,
-                C.c.status == "captured",
-                C.c.continuation_fingerprint == fingerprint,
-            )
-            .order_by(C.c.model_call_id)
-        )
         async with self._read() as conn:
-            rows = (await conn.execute(query)).all()
+            rows = (
+                await conn.execute(queries.continuation_candidates(rollout_id, fingerprint))
+            ).all()
         return [
             ContinuationCandidate(
                 r.model_call_id,
