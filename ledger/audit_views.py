@@ -18,6 +18,7 @@ from typing import Any
 from ledger.errors import InvalidInput, LedgerError
 from ledger.ids import validate_rollout_id
 from ledger.storage import queries
+from ledger.storage.audit import RolloutListing, as_utc
 from ledger.store import Ledger
 
 __all__ = [
@@ -61,16 +62,10 @@ class HealthReport:
 
 
 @dataclass(frozen=True, slots=True)
-class RolloutRow:
-    rollout_id: str
-    state: str
-    incomplete: bool
-    version: int
-    n_calls: int
-    created_at: datetime
-    updated_at: datetime
-    outcome: str | None
-    mask_reasons: list[str]
+class RolloutRow(RolloutListing):
+    """A rollout as the audit page lists it: with its incomplete causes and its latest build's
+    consumer and time (times in aware UTC)."""
+
     causes: list[str]
     consumer: str | None
     built_at: datetime | None
@@ -103,11 +98,6 @@ class DriftWindow:
     unavailable: str | None = None
 
 
-def _utc(value: datetime) -> datetime:
-    """Aware UTC (SQLite hands back naive datetimes; every stored time is UTC)."""
-    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)
-
-
 class AuditViews:
     """Read-only queries behind the audit page."""
 
@@ -121,8 +111,8 @@ class AuditViews:
     ) -> HealthReport:
         """Calls captured, rollouts started and latest builds (by outcome and mask reason) per
         time bucket between ``since`` and ``until``."""
-        since = _utc(since)
-        until = _utc(until) if until is not None else datetime.now(UTC)
+        since = as_utc(since)
+        until = as_utc(until) if until is not None else datetime.now(UTC)
         if until <= since:
             raise InvalidInput("the health window must end after it starts (until > since)")
         n = max(1, min(buckets, MAX_BUCKETS))
@@ -201,8 +191,8 @@ class AuditViews:
             outcome=outcome,
             reason=reason,
             consumer=consumer,
-            since=_utc(since) if since is not None else None,
-            until=_utc(until) if until is not None else None,
+            since=as_utc(since) if since is not None else None,
+            until=as_utc(until) if until is not None else None,
             id_prefix=id_prefix,
             before=_parse_cursor(cursor) if cursor else None,
             limit=limit + 1,
@@ -222,13 +212,13 @@ class AuditViews:
                 incomplete=bool(r.incomplete),
                 version=r.version,
                 n_calls=r.n_calls,
-                created_at=_utc(r.created_at),
-                updated_at=_utc(r.updated_at),
+                created_at=as_utc(r.created_at),
+                updated_at=as_utc(r.updated_at),
                 outcome=r.outcome,
                 mask_reasons=list(r.mask_reasons or []),
                 causes=causes.get(r.rollout_id, []),
                 consumer=r.consumer,
-                built_at=_utc(r.built_at) if r.built_at is not None else None,
+                built_at=as_utc(r.built_at) if r.built_at is not None else None,
             )
             for r in rows[:limit]
         ]
@@ -299,7 +289,7 @@ def _parse_cursor(cursor: str) -> tuple[datetime, str]:
     try:
         if not sep or not rid:
             raise ValueError(cursor)
-        return _utc(datetime.fromisoformat(at)), rid
+        return as_utc(datetime.fromisoformat(at)), rid
     except ValueError:
         raise InvalidInput(
             f"cursor {cursor!r} is not a next_cursor this API returned; start without one"

@@ -13,11 +13,14 @@ from ledger.ids import validate_rollout_id
 from ledger.storage import queries
 from ledger.storage.core import LedgerCore
 
-__all__ = ["Audit", "RolloutSummary"]
+__all__ = ["Audit", "RolloutListing", "RolloutSummary", "as_utc"]
 
 
 @dataclass(frozen=True, slots=True)
-class RolloutSummary:
+class RolloutListing:
+    """What every audit listing shows of a rollout (``queries.rollouts_with_latest_build``):
+    its row, its captured-call count and its latest build's outcome and mask reasons."""
+
     rollout_id: str
     state: str
     incomplete: bool
@@ -27,6 +30,12 @@ class RolloutSummary:
     updated_at: datetime
     outcome: str | None
     mask_reasons: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutSummary(RolloutListing):
+    """A rollout as the audit API lists it: with its latest build's metrics."""
+
     delivered_fraction: float | None
     chains: int | None
     # The causes behind ``capture_incomplete`` (``upstream_error``, ``missing_token_ids``, …).
@@ -166,3 +175,9 @@ def _row_dict(row: Any, drop: tuple[str, ...] = ()) -> dict[str, Any]:
             value = (value if value.tzinfo else value.replace(tzinfo=UTC)).isoformat()
         out[key] = value
     return out
+
+
+def as_utc(value: datetime) -> datetime:
+    """``value`` as an aware UTC time; one without an offset is taken as UTC (SQLite hands back
+    naive datetimes, and every stored time is UTC)."""
+    return value.replace(tzinfo=UTC) if value.tzinfo is None else value.astimezone(UTC)

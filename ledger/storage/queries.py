@@ -315,10 +315,12 @@ def insert_custody_failure(sql: SqlDialect, **values: Any) -> Any:
 
 def custody_manifest_rows(rollout_id: str) -> sa.Select[Any]:
     """Every custody row of the rollout (committed or failed), in the order they were stored."""
-    return (
-        sa.select(custody_rows.c.model_call_id, custody_rows.c.failure_reason, custody_rows.c.row)
-        .where(custody_rows.c.rollout_id == rollout_id)
-        .order_by(custody_rows.c.id)
+    return _rows_of_rollout(
+        custody_rows,
+        rollout_id,
+        custody_rows.c.model_call_id,
+        custody_rows.c.failure_reason,
+        custody_rows.c.row,
     )
 
 
@@ -342,6 +344,11 @@ def custody_candidates(rollout_id: str, fingerprint: str, version: int) -> sa.Se
 # ----------------------------------------------------------------------------- audit: one rollout
 
 
+def _rows_of_rollout(table: sa.Table, rollout_id: str, *columns: Any) -> sa.Select[Any]:
+    """``columns`` of the rows of ``table`` that belong to the rollout, in the order stored."""
+    return sa.select(*columns).where(table.c.rollout_id == rollout_id).order_by(table.c.id)
+
+
 def rollout_row(rollout_id: str) -> sa.Select[Any]:
     """The rollout's whole row."""
     return sa.select(rollouts).where(rollouts.c.rollout_id == rollout_id)
@@ -349,26 +356,24 @@ def rollout_row(rollout_id: str) -> sa.Select[Any]:
 
 def rollout_calls(rollout_id: str) -> sa.Select[Any]:
     """The rollout's calls (metadata, whether their tokens are still stored), in order."""
-    return (
-        sa.select(
-            calls.c.id,
-            calls.c.model_call_id,
-            calls.c.status,
-            calls.c.model,
-            calls.c.route,
-            calls.c.response_id,
-            calls.c.prompt_len,
-            calls.c.generation_len,
-            calls.c.cumulative_len,
-            calls.c.parent_call_id,
-            calls.c.prompt_is_delta,
-            calls.c.created_at,
-            calls.c.registered_at,
-            calls.c.recorded_at,
-            sa.exists().where(call_tokens.c.call_id == calls.c.id).label("has_tokens"),
-        )
-        .where(calls.c.rollout_id == rollout_id)
-        .order_by(calls.c.id)
+    return _rows_of_rollout(
+        calls,
+        rollout_id,
+        calls.c.id,
+        calls.c.model_call_id,
+        calls.c.status,
+        calls.c.model,
+        calls.c.route,
+        calls.c.response_id,
+        calls.c.prompt_len,
+        calls.c.generation_len,
+        calls.c.cumulative_len,
+        calls.c.parent_call_id,
+        calls.c.prompt_is_delta,
+        calls.c.created_at,
+        calls.c.registered_at,
+        calls.c.recorded_at,
+        sa.exists().where(call_tokens.c.call_id == calls.c.id).label("has_tokens"),
     )
 
 
@@ -377,7 +382,9 @@ def rollout_edges(rollout_id: str) -> sa.Select[Any]:
     parent_call = calls.alias("parent")
     child_call = calls.alias("child")
     return (
-        sa.select(
+        _rows_of_rollout(
+            lineage_edges,
+            rollout_id,
             child_call.c.model_call_id.label("child"),
             parent_call.c.model_call_id.label("parent"),
             lineage_edges.c.method,
@@ -388,45 +395,37 @@ def rollout_edges(rollout_id: str) -> sa.Select[Any]:
         )
         .join(child_call, child_call.c.id == lineage_edges.c.child_id)
         .join(parent_call, parent_call.c.id == lineage_edges.c.parent_id)
-        .where(lineage_edges.c.rollout_id == rollout_id)
-        .order_by(lineage_edges.c.id)
     )
 
 
 def rollout_quarantines(rollout_id: str) -> sa.Select[Any]:
     """The rollout's quarantined calls, per delivery, in order."""
-    return (
-        sa.select(
-            quarantines.c.delivery_id,
-            quarantines.c.model_call_id,
-            quarantines.c.reason,
-            quarantines.c.detail,
-            quarantines.c.created_at,
-        )
-        .where(quarantines.c.rollout_id == rollout_id)
-        .order_by(quarantines.c.id)
+    return _rows_of_rollout(
+        quarantines,
+        rollout_id,
+        quarantines.c.delivery_id,
+        quarantines.c.model_call_id,
+        quarantines.c.reason,
+        quarantines.c.detail,
+        quarantines.c.created_at,
     )
 
 
 def rollout_incomplete_events(rollout_id: str) -> sa.Select[Any]:
     """Why the rollout is incomplete, event by event, in order."""
-    return (
-        sa.select(
-            incomplete_events.c.model_call_id,
-            incomplete_events.c.reason,
-            incomplete_events.c.detail,
-            incomplete_events.c.created_at,
-        )
-        .where(incomplete_events.c.rollout_id == rollout_id)
-        .order_by(incomplete_events.c.id)
+    return _rows_of_rollout(
+        incomplete_events,
+        rollout_id,
+        incomplete_events.c.model_call_id,
+        incomplete_events.c.reason,
+        incomplete_events.c.detail,
+        incomplete_events.c.created_at,
     )
 
 
 def rollout_deliveries(rollout_id: str) -> sa.Select[Any]:
     """Every build of the rollout (whole delivery rows), in order."""
-    return (
-        sa.select(deliveries).where(deliveries.c.rollout_id == rollout_id).order_by(deliveries.c.id)
-    )
+    return _rows_of_rollout(deliveries, rollout_id, deliveries)
 
 
 # ----------------------------------------------------------------------------- audit: listings
