@@ -1,8 +1,8 @@
 """Read-side views for the audit web page (``/ui``): run health over time, a filterable list of
 rollouts, and the token window around a drifted lineage edge.
 
-These are read-only queries over the same tables as ``ledger.store.Audit`` (whose
-``rollout_detail`` the page reuses); they live apart so the store module stays about writes.
+These are read-only views over the same tables as ``ledger.storage.audit.Audit`` (whose
+``rollout_detail`` the page reuses); their statements are named in ``ledger.storage.queries``.
 Every query here reads through the ledger's read-only connection and touches either one
 rollout or an indexed time window.
 """
