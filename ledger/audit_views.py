@@ -132,7 +132,6 @@ class AuditViews:
         sql = self.ledger.sql
         calls_q = queries.captured_per_bucket(sql, first, bucket_s, since, until)
         roll_q = queries.started_per_bucket(sql, first, bucket_s, since, until)
-        # The window ends now: the latest build in it is the latest build.
         build_q = queries.builds_per_bucket(sql, first, bucket_s, since, until)
         events_q = queries.incomplete_events_by_reason((since, until))
         consumers: set[str] = set()

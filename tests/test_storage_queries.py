@@ -110,6 +110,9 @@ def test_every_builder_is_named_and_says_what_it_answers() -> None:
     assert len(builders) > 40
     undocumented = [name for name, fn in builders if not (fn.__doc__ or "").strip()]
     assert undocumented == []
+    # The first line alone says what the statement answers or changes.
+    summaries = {name: (fn.__doc__ or "").strip().splitlines()[0] for name, fn in builders}
+    assert [name for name, line in summaries.items() if not line.endswith(".")] == []
 
 
 def test_every_table_goes_by_its_sql_name() -> None:

@@ -102,8 +102,10 @@ def delete_retired_tombstones(cutoff: datetime) -> Any:
 
 
 def retire_consumed(rollout_id: str, snapshot_id: str, version: int, now: datetime) -> Any:
-    """Retire the rollout only if it is frozen at exactly this snapshot and version (the
-    conditional retire); returns its incomplete flag, or nothing when it matched no row."""
+    """Retire the rollout if it is frozen at exactly this snapshot and version; no row: not so.
+
+    The conditional retire: it returns the rollout's incomplete flag when it retired it.
+    """
     return (
         rollouts.update()
         .where(
@@ -165,8 +167,11 @@ def stamp_delivery(delivery_id: int, **stamps: Any) -> Any:
 
 
 def _parent_candidate(rollout_id: str) -> list[Any]:
-    """A captured call of the rollout that could be a parent: an empty generation's cumulative
-    tokens are its prompt, so it would become the parent of its own retry."""
+    """A captured call of the rollout that could be a parent (its generation is not empty).
+
+    An empty generation's cumulative tokens are its prompt: it would become the parent of its
+    own retry.
+    """
     return [
         calls.c.rollout_id == rollout_id,
         calls.c.status == "captured",
@@ -186,8 +191,11 @@ def parent_candidate_lengths(rollout_id: str, upper: int, batch: int) -> sa.Sele
 
 
 def parent_candidates_matching(rollout_id: str, digests: Mapping[int, str]) -> sa.Select[Any]:
-    """Parent candidates whose cumulative digest is the prompt's prefix digest at their length
-    (``digests``: length → digest), longest first, then by call id."""
+    """Parent candidates whose cumulative digest is the prompt's prefix digest at their length.
+
+    ``digests`` maps a length to the digest of the prompt's first that many tokens; longest
+    first, then by call id.
+    """
     match = sa.or_(
         *(
             sa.and_(calls.c.cumulative_len == n, calls.c.cumulative_digest == digest)
@@ -432,8 +440,10 @@ def rollout_deliveries(rollout_id: str) -> sa.Select[Any]:
 
 
 def latest_build(since: datetime | None = None) -> Any:
-    """Each rollout's latest build (its highest delivery id), among builds since ``since`` when
-    given: a subquery of ``rollout_id`` and ``did``."""
+    """Each rollout's latest build id (among builds since ``since``): a subquery.
+
+    Its columns: ``rollout_id`` and ``did`` (the highest delivery id).
+    """
     query = sa.select(deliveries.c.rollout_id, sa.func.max(deliveries.c.id).label("did"))
     if since is not None:
         query = query.where(deliveries.c.built_at >= since)
@@ -441,8 +451,11 @@ def latest_build(since: datetime | None = None) -> Any:
 
 
 def rollouts_with_latest_build(*columns: Any) -> sa.Select[Any]:
-    """Every rollout with its captured-call count, its latest build's outcome and mask reasons,
-    and that build's ``columns`` (NULL for a rollout never built): the audit listings' base."""
+    """Every rollout with its call count and its latest build: the audit listings' base.
+
+    Its columns: the rollout's row, ``n_calls`` (captured calls), the latest build's outcome,
+    mask reasons and ``columns`` (NULL for a rollout never built).
+    """
     latest = latest_build()
     n_calls = (
         sa.select(sa.func.count())
@@ -474,8 +487,11 @@ def _listing_filters(
     outcomes: Sequence[str] | None,
     updated_since: datetime | None,
 ) -> sa.Select[Any]:
-    """The filters both audit listings share: the rollout's state, its latest build's outcome
-    among ``outcomes``, and a change at or after ``updated_since``."""
+    """``query`` narrowed by the filters both audit listings share.
+
+    The rollout's state, its latest build's outcome among ``outcomes``, a change at or after
+    ``updated_since``.
+    """
     if state:
         query = query.where(rollouts.c.state == state)
     if outcomes is not None:
@@ -496,9 +512,11 @@ def audit_rollouts(
     after_id: str | None,
     limit: int,
 ) -> sa.Select[Any]:
-    """The audit API's listing: rollouts by id after ``after_id``, with their latest build's
-    metrics, filtered; ``reason`` is a mask reason or a cause behind ``capture_incomplete``;
-    ``limit`` rows at most."""
+    """The audit API's rollout listing: by id after ``after_id``, filtered, ``limit`` rows.
+
+    Each row carries its latest build's metrics; ``reason`` is a mask reason or a cause behind
+    ``capture_incomplete``.
+    """
     query = rollouts_with_latest_build(deliveries.c.metrics).order_by(rollouts.c.rollout_id)
     if outcome:
         query = query.where(deliveries.c.outcome == outcome)
@@ -515,8 +533,11 @@ def audit_rollouts(
 
 
 def build_names_reason(sql: SqlDialect, reason: str) -> Any:
-    """The latest build names ``reason`` among its mask reasons or among the causes behind
-    ``capture_incomplete`` (``metrics.incomplete_reasons``): an exact element match."""
+    """The latest build names ``reason`` as a mask reason or as an incomplete cause.
+
+    An exact element of ``mask_reasons`` or of ``metrics.incomplete_reasons`` (the causes
+    behind ``capture_incomplete``).
+    """
     return sa.or_(
         sql.json_array_holds(deliveries.c.mask_reasons, reason),
         sql.json_array_holds(deliveries.c.metrics, reason, "$.incomplete_reasons"),
@@ -536,10 +557,13 @@ def page_rollouts(
     before: tuple[datetime, str] | None,
     limit: int,
 ) -> sa.Select[Any]:
-    """The audit page's listing: rollouts most recently changed first (before the cursor
-    ``before``: time and id), with their latest build's consumer and time, filtered; ``outcome``
-    ``none`` is never built and ``masked`` includes failed; ``reason`` is a mask reason, an
-    incomplete event's or a quarantine's; ``limit`` rows at most."""
+    """The audit page's rollout listing: latest change first, before ``before``, filtered.
+
+    ``before`` is the cursor (a change time and a rollout id); each row carries its latest
+    build's consumer and time.  ``outcome`` ``none`` is never built, and ``masked`` includes
+    failed; ``reason`` is a mask reason, an incomplete event's or a quarantine's; ``limit``
+    rows at most.
+    """
     query = rollouts_with_latest_build(deliveries.c.consumer, deliveries.c.built_at).order_by(
         rollouts.c.updated_at.desc(), rollouts.c.rollout_id.desc()
     )
@@ -602,8 +626,7 @@ def rollouts_by_state(updated_since: datetime | None = None) -> sa.Select[Any]:
 
 
 def latest_builds(built_since: datetime | None = None) -> sa.Select[Any]:
-    """Each rollout's latest build (outcome, mask reasons, metrics), if built at or after
-    ``built_since``."""
+    """Each rollout's latest build (outcome, mask reasons, metrics), if built since then."""
     latest = latest_build()
     query = sa.select(deliveries.c.outcome, deliveries.c.mask_reasons, deliveries.c.metrics).join(
         latest, latest.c.did == deliveries.c.id
@@ -668,8 +691,10 @@ def started_per_bucket(
 def builds_per_bucket(
     sql: SqlDialect, start: datetime, bucket_s: int, since: datetime, until: datetime
 ) -> sa.Select[Any]:
-    """Each rollout's latest build in [since, until] (latest among builds since ``since``),
-    counted per time bucket, outcome, mask reasons and consumer."""
+    """Latest builds in [since, until], counted per time bucket, outcome, reasons and consumer.
+
+    Latest among the builds since ``since``: the window ends now, so that is the latest build.
+    """
     latest = latest_build(since)
     bucket = _bucket(sql, deliveries.c.built_at, start, bucket_s)
     return (
