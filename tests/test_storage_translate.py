@@ -9,7 +9,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from ledger.errors import InvalidInput
-from ledger.storage.core import D
+from ledger.storage.queries import deliveries
 from ledger.storage.translate import REFUSED_BY, constraint_name
 from ledger.store import Ledger
 from ledger.tables import Base
@@ -57,11 +57,14 @@ async def test_a_unique_violation_is_named_and_changes_nothing(ledger: Ledger, r
         ledger._lock_rollout(conn, r)
         for _ in range(2):
             conn.execute(
-                D.insert().values(rollout_id=r, outcome="masked", metrics={}, idempotency_key=key)
+                deliveries.insert().values(
+                    rollout_id=r, outcome="masked", metrics={}, idempotency_key=key
+                )
             )
 
     with pytest.raises(InvalidInput, match="uq_deliveries_idempotency_key"):
         await ledger._transact(twice)
     async with ledger._read() as conn:
-        rows = (await conn.execute(sa.select(D.c.id).where(D.c.rollout_id == r))).all()
+        query = sa.select(deliveries.c.id).where(deliveries.c.rollout_id == r)
+        rows = (await conn.execute(query)).all()
     assert rows == []

@@ -37,13 +37,10 @@ from ledger.storage.writer import _GroupCommit
 
 # The tables under their former one-letter names, for the rooms that still build statements
 # inline (``capture``, ``snapshot``); new code uses ``ledger.storage.queries``.
-R = queries.rollouts
 C = queries.calls
 T = queries.call_tokens
 E = queries.lineage_edges
-Q = queries.quarantines
 IE = queries.incomplete_events
-D = queries.deliveries
 
 _T = TypeVar("_T")
 _REASON_RE = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
@@ -278,7 +275,7 @@ class LedgerCore:
         """Create the rollout row if needed and lock it for the rest of the transaction."""
         conn.execute(queries.create_rollout(self.sql, rollout_id))
         row = conn.execute(self.sql.for_update(queries.rollout_head(rollout_id))).one()
-        return RolloutState(rollout_id, row.state, row.incomplete, row.snapshot_id, row.version)
+        return _state_of(rollout_id, row)
 
     def _bump(self, conn: Connection, rollout_id: str, **values: Any) -> int:
         row = conn.execute(queries.bump_version(rollout_id, **values)).one()
@@ -302,6 +299,11 @@ class LedgerCore:
                 f"token capture for rollout {state.rollout_id} is already frozen; {what} refused",
                 rollout_id=state.rollout_id,
             )
+
+
+def _state_of(rollout_id: str, head: Any) -> RolloutState:
+    """The rollout's state from its ``queries.rollout_head`` row."""
+    return RolloutState(rollout_id, head.state, head.incomplete, head.snapshot_id, head.version)
 
 
 def _failed_attempt(extra: Any) -> dict[str, Any]:

@@ -14,7 +14,7 @@ from ledger.errors import (
 from ledger.ids import validate_rollout_id
 from ledger.model import Quarantine
 from ledger.storage import queries
-from ledger.storage.core import LedgerCore
+from ledger.storage.core import LedgerCore, _state_of
 from ledger.storage.results import RetireOutcome, RolloutState
 from ledger.tables import (
     utcnow,
@@ -86,7 +86,7 @@ class LifecycleOps(LedgerCore):
             row = (await conn.execute(queries.rollout_head(rollout_id))).one_or_none()
         if row is None:
             raise NotFound(f"no rollout {rollout_id!r} in the ledger", rollout_id=rollout_id)
-        return RolloutState(rollout_id, row.state, row.incomplete, row.snapshot_id, row.version)
+        return _state_of(rollout_id, row)
 
     # ----------------------------------------------------------------- deliveries
 
@@ -176,7 +176,7 @@ class LifecycleOps(LedgerCore):
         row = conn.execute(self.sql.for_update(queries.rollout_head(rollout_id))).one_or_none()
         if row is None:
             return RetireOutcome("unknown", None)
-        state = RolloutState(rollout_id, row.state, row.incomplete, row.snapshot_id, row.version)
+        state = _state_of(rollout_id, row)
         if state.state != "retired":
             return RetireOutcome("stale", state)
         if (state.snapshot_id, state.version) == (snapshot_id, version):
