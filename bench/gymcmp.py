@@ -177,16 +177,25 @@ class LedgerSide:
 
 async def _finalize_all(side: Any, plans: list[list[Any]]) -> dict[str, Any]:
     ms: list[float] = []
+    cpu: list[float] = []
     outcomes: dict[str, int] = {}
     for calls in plans:
         last = [c for c in calls if c.kind == "turn"][-1].entry
         result = rollout_result(last["rollout_id"], last["response_id"])
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         built = await side.finalize(result)
         ms.append((time.perf_counter() - t0) * 1e3)
+        cpu.append((time.process_time() - c0) * 1e3)
         outcome = _outcome(built)
         outcomes[outcome] = outcomes.get(outcome, 0) + 1
-    return {"ms_p50": statistics.median(ms), "ms_max": max(ms), "outcomes": outcomes}
+    return {
+        "ms_p50": statistics.median(ms),
+        "ms_max": max(ms),
+        # CPU of the whole process (every thread) during the build: steadier than wall time
+        # on a shared machine.
+        "cpu_ms_p50": statistics.median(cpu),
+        "outcomes": outcomes,
+    }
 
 
 def _outcome(built: dict[str, Any] | None) -> str:
@@ -200,7 +209,14 @@ def _outcome(built: dict[str, Any] | None) -> str:
 
 
 async def _run_side(
-    kind: str, w: Workload, tmp: Path, dbs: DbFactory, label: str, *, build: bool
+    kind: str,
+    w: Workload,
+    tmp: Path,
+    dbs: DbFactory,
+    label: str,
+    *,
+    build: bool,
+    build_again: bool = False,
 ) -> dict[str, Any]:
     prefix = f"{label}-"
     plans = _plans(w, prefix)
@@ -228,6 +244,8 @@ async def _run_side(
         out["bytes_ratio"] = stored / w.rollouts / raw
         if build:
             out["build"] = await _finalize_all(side, plans)
+        if build_again:  # the same frozen snapshots built again: a warm process and connection
+            out["build_again"] = await _finalize_all(side, plans)
     finally:
         await side.close()
         if db is not None:
@@ -243,6 +261,63 @@ def _spread(values: list[float]) -> dict[str, float]:
         "min": min(values),
         "max": max(values),
         "n": len(values),
+    }
+
+
+async def run_builds(args: argparse.Namespace) -> dict[str, Any]:
+    """Only the build phases (``--build-only``): per repetition, each side ingests the 8x50
+    workload (not timed) and builds every rollout; then the long rollout's build.  Ratios are
+    against Gym's faster store in the same repetition."""
+    w = Workload(rollouts=args.rollouts, turns=args.turns)
+    sides = ["gym_full", "gym_delta", *args.backends]
+    tmp = Path(tempfile.mkdtemp(prefix="rl_gymcmp_", dir=args.workdir))
+    dbs = DbFactory(tmp)
+    reps: list[dict[str, Any]] = []
+    long: list[dict[str, Any]] = []
+    try:
+        for rep in range(args.reps):
+            row: dict[str, Any] = {}
+            order = sides[rep % len(sides) :] + sides[: rep % len(sides)]
+            for kind in order:
+                res = await _run_side(kind, w, tmp, dbs, f"{kind[:3]}b{rep}", build=True)
+                row[kind] = res["build"]
+            reps.append(row)
+            if args.long_turns:
+                lw = replace(w, rollouts=1, turns=args.long_turns)
+                lrow: dict[str, Any] = {}
+                for kind in ["gym_delta", *args.backends]:  # as the long phase: Gym's best
+                    res = await _run_side(
+                        kind, lw, tmp, dbs, f"{kind[:3]}L{rep}", build=True, build_again=True
+                    )
+                    lrow[kind] = res["build"]
+                    lrow[f"{kind}_again"] = res["build_again"]
+                long.append(lrow)
+            line = [f"rep {rep}:"]
+            for b in args.backends:
+                gym = min(row[g]["ms_p50"] for g in ("gym_full", "gym_delta"))
+                line.append(
+                    f"{b} 8x{w.turns} build p50 {row[b]['ms_p50']:.1f} ms "
+                    f"(cpu {row[b]['cpu_ms_p50']:.1f}) = {row[b]['ms_p50'] / gym:.2f}x Gym's "
+                    f"{gym:.1f} ms"
+                )
+                if long:
+                    lg = long[-1]["gym_delta"]["ms_p50"]
+                    again = long[-1][f"{b}_again"]
+                    line.append(
+                        f"{b} {args.long_turns}-turn build {long[-1][b]['ms_p50']:.1f} ms "
+                        f"(cpu {long[-1][b]['cpu_ms_p50']:.1f}; Gym {lg:.1f} ms); built again "
+                        f"{again['ms_p50']:.1f} ms (cpu {again['cpu_ms_p50']:.1f}; Gym "
+                        f"{long[-1]['gym_delta_again']['ms_p50']:.1f} ms)"
+                    )
+            print("\n  ".join(line), file=sys.stderr, flush=True)
+    finally:
+        await dbs.cleanup()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {
+        "generated": datetime.now(UTC).isoformat(timespec="seconds"),
+        "workload": w.describe(),
+        "build_reps": reps,
+        "long_build_reps": long,
     }
 
 
@@ -403,6 +478,12 @@ def main(argv: list[str] | None = None) -> int:
         "--proxy-samples", type=int, default=10, help="proxy overhead pairs (0 skips the phase)"
     )
     ap.add_argument("--build-every", action="store_true", help="build in every repetition")
+    ap.add_argument(
+        "--build-only",
+        action="store_true",
+        help="only the build phases (8x50 and the long rollout), each repetition; prints "
+        "ratios against Gym and writes --out (default bench/results/gymcmp-build.json)",
+    )
     ap.add_argument("--workdir", type=Path, default=None)
     ap.add_argument("--out", type=Path, default=RESULTS / "gymcmp.json")
     ap.add_argument(
@@ -413,6 +494,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = ap.parse_args(argv)
     args.backends = [b for b in args.backends.split(",") if b]
+    if args.build_only:
+        if args.out == RESULTS / "gymcmp.json":
+            args.out = RESULTS / "gymcmp-build.json"
+        built = asyncio.run(run_builds(args))
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(built, indent=1, default=str) + "\n")
+        return 0
     out = asyncio.run(run(args))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1, default=str) + "\n")

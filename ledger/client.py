@@ -35,6 +35,7 @@ from ledger.errors import (
 from ledger.gym_lineage import LineageResolution as GymResolution
 from ledger.records import TokenEntry, coerce_entry
 from ledger.storage.results import FrozenSnapshot, LineageResolution, PutResult
+from ledger.types import Build
 
 __all__ = ["RemoteLedger"]
 
@@ -256,8 +257,9 @@ class RemoteLedger:
 
     async def finalize(
         self, result: dict[str, Any], *, deliver: str = "one", consumer: str = ""
-    ) -> dict[str, Any]:
-        """Build on the server; the rebuilt result is copied back into ``result`` in place."""
+    ) -> Build:
+        """Build on the server; the rebuilt result is copied back into ``result`` in place
+        (the build itself carries no rebuilt response: ``Build.remote``)."""
         data = (
             await self._call(
                 "POST",
@@ -265,7 +267,7 @@ class RemoteLedger:
                 json={"result": wire.finite_json(result), "deliver": deliver, "consumer": consumer},
             )
         ).json()
-        build: dict[str, Any] = data["build"]
+        build = Build.from_wire(data["build"], remote=True)
         rebuilt: dict[str, Any] = data["result"]
         response = rebuilt.get("response")
         output = response.get("output") if isinstance(response, dict) else None

@@ -34,14 +34,15 @@ import json
 import os
 import warnings
 from collections import Counter
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from ledger.delivery import finalize_rollout_token_capture, retire_rollout_token_capture
+from ledger.delivery import Source, finalize, retire, retire_snapshot
 from ledger.errors import InvalidRolloutId
 from ledger.ids import rollout_id_from_run_body
+from ledger.types import Build
 
 __all__ = ["CollectAborted", "CollectFailed", "CollectRefused", "CollectReport", "collect"]
 
@@ -151,21 +152,24 @@ def _bucket(frac: Any) -> str:
     return f"{lo:.1f}-{lo + 0.1:.1f}"
 
 
-def infrastructure_error(build: dict[str, Any] | None) -> str | None:
+def infrastructure_error(build: Build) -> str | None:
     """The ledger's own failure behind a ``source_error`` build, or ``None`` for a row's own."""
-    if not build or "source_error" not in (build.get("mask_reasons") or []):
+    return _infrastructure_error(build.mask_reasons, build.error)
+
+
+def _infrastructure_error(reasons: Sequence[str], error: str | None) -> str | None:
+    if "source_error" not in reasons:
         return None
-    error = str((build.get("metrics") or {}).get("error") or "the capture source failed")
+    error = error or "the capture source failed"
     kind = error.split(":", 1)[0].strip()
     return None if kind in _ROW_ERRORS else error
 
 
-def _retired_earlier(build: dict[str, Any] | None) -> bool:
+def _retired_earlier(build: Build) -> bool:
     """The rollout was delivered and retired before: nothing is left to rebuild."""
-    if not build or "source_error" not in (build.get("mask_reasons") or []):
+    if "source_error" not in build.mask_reasons:
         return False
-    error = str((build.get("metrics") or {}).get("error") or "")
-    return error.split(":", 1)[0].strip() == "RolloutRetired"
+    return (build.error or "").split(":", 1)[0].strip() == "RolloutRetired"
 
 
 def _never_built(row: dict[str, Any]) -> bool:
@@ -175,8 +179,9 @@ def _never_built(row: dict[str, Any]) -> bool:
     metrics = row.get("_ng_token_capture")
     if not isinstance(metrics, dict):
         return False
-    build = {"mask_reasons": metrics.get("mask_reasons"), "metrics": metrics}
-    return infrastructure_error(build) is not None
+    error = metrics.get("error")
+    reasons = metrics.get("mask_reasons") or ()
+    return _infrastructure_error(reasons, None if error is None else str(error)) is not None
 
 
 def _scan_output(path: Path) -> tuple[dict[str, dict[str, Any]], int]:
@@ -278,32 +283,30 @@ class _Writer:
             self._fh.close()
 
 
-def _rows_for(
-    result: dict[str, Any], build: dict[str, Any] | None, deliver: str
-) -> list[dict[str, Any]]:
-    if deliver != "all-chains" or not build or not build.get("trajectories"):
+def _rows_for(result: dict[str, Any], build: Build, deliver: str) -> list[dict[str, Any]]:
+    if deliver != "all-chains" or not build.trajectories:
         return [result]
     rows = []
-    trajectories = build["trajectories"]
+    trajectories = build.trajectories
     for i, traj in enumerate(trajectories):
         row = json.loads(_dumps(result))
         response = row.get("response")
         if isinstance(response, dict):
-            response["output"] = traj["response"]["output"]
-            response["usage"] = traj["response"]["usage"]
+            response["output"] = traj.response["output"]
+            response["usage"] = traj.response["usage"]
         else:
-            row["response"] = traj["response"]
+            row["response"] = traj.response
         row["_ng_trajectory"] = {
             "index": i,
             "of": len(trajectories),
-            "label": traj["label"],
-            "role": traj["role"],
+            "label": traj.label,
+            "role": traj.role,
         }
         rows.append(row)
     return rows
 
 
-async def _preflight(source: Any) -> None:
+async def _preflight(source: Source) -> None:
     """Fail before the first row when a direct database holds no ledger (nothing is created)."""
     from ledger.presence import require_ledger
     from ledger.store import Ledger
@@ -314,7 +317,7 @@ async def _preflight(source: Any) -> None:
 
 
 async def collect(
-    source: Any,
+    source: Source,
     input_path: Path,
     output_path: Path,
     *,
@@ -349,19 +352,20 @@ async def collect(
             return False
         if not isinstance(snap, dict) or rid is None or row.get("mask_sample"):
             return False
-        built = {"outcome": "delivered", "mask_sample": False, **snap}
-        return await retire_rollout_token_capture(rid, source, built)
+        snapshot_id, version = snap.get("snapshot_id"), snap.get("version")
+        if not snapshot_id or not isinstance(version, int):
+            return False
+        # The row is durable and was delivered unmasked from this snapshot: retire it.
+        return await retire_snapshot(rid, source, snapshot_id=str(snapshot_id), version=version)
 
     async def one(line_no: int, row: dict[str, Any]) -> None:
         async with sem:
             if stop.is_set():
                 return
-            build = await finalize_rollout_token_capture(
-                row, source, deliver=deliver, consumer=consumer
-            )
+            build = await finalize(row, source, deliver=deliver, consumer=consumer)
             broken = infrastructure_error(build)
             if broken is not None:
-                rid = (build or {}).get("rollout_id") or "?"
+                rid = build.rollout_id or "?"
                 failure.append(
                     f"the ledger failed on {input_path}:{line_no} (rollout {rid}), so the run "
                     f"stopped and did not write that row: {broken.splitlines()[0]}"
@@ -370,15 +374,14 @@ async def collect(
                 return
             if _retired_earlier(build):
                 # Never a second (masked) row for a delivered rollout; the caller is told.
-                report.already_retired.append((line_no, str((build or {}).get("rollout_id"))))
+                report.already_retired.append((line_no, str(build.rollout_id)))
                 return
             report.finalized += 1
             warn_malformed(build)
             masked = bool(row.get("mask_sample"))
             if masked:
                 report.masked += 1
-                reasons = (build or {}).get("mask_reasons") or ["unknown"]
-                report.mask_reasons.update(reasons)
+                report.mask_reasons.update(build.mask_reasons or ["unknown"])
             metrics = row.get("_ng_token_capture") or {}
             report.delivered_fraction[_bucket(metrics.get("delivered_fraction"))] += 1
             if "chains" in metrics:
@@ -395,18 +398,14 @@ async def collect(
                 )
                 stop.set()
                 return
-            if build and build.get("snapshot_id") is not None:
-                row[SNAPSHOT_KEY] = {
-                    "snapshot_id": build["snapshot_id"],
-                    "version": build["version"],
-                }
+            if build.snapshot_id is not None:
+                row[SNAPSHOT_KEY] = {"snapshot_id": build.snapshot_id, "version": build.version}
             row[LINE_KEY] = line_no
             if write_hook is not None:
                 await write_hook()
             await writer.write(_rows_for(row, build, deliver))
             report.written += 1
-            rid = (build or {}).get("rollout_id")
-            if rid and await retire_rollout_token_capture(rid, source, build):
+            if build.rollout_id and await retire(build.rollout_id, source, build):
                 report.retired += 1
             if on_progress:
                 on_progress(report)
@@ -459,17 +458,17 @@ async def collect(
     return report
 
 
-def _warn_once_per_run() -> Callable[[dict[str, Any] | None], None]:
+def _warn_once_per_run() -> Callable[[Build], None]:
     """NeMo Gym warns once per collection run, not once per row, about malformed rollout ids:
     such a row is masked and its records (if any) are never retired."""
     warned = False
 
-    def warn(build: dict[str, Any] | None) -> None:
+    def warn(build: Build) -> None:
         nonlocal warned
-        if warned or not build or "malformed_rollout_id" not in (build.get("mask_reasons") or []):
+        if warned or "malformed_rollout_id" not in build.mask_reasons:
             return
         warned = True
-        error = (build.get("metrics") or {}).get("error", "")
+        error = build.error or ""
         warnings.warn(
             f"a result carries a malformed rollout id ({error}); it is masked and its token "
             "capture will not be retired (further rows like it are not warned about again).",

@@ -34,33 +34,53 @@ TOKEN_FIELDS = (
 )
 
 
-def project_chain(rollout_id: str, links: Sequence[ChainLinkTokens], model: str) -> dict[str, Any]:
-    """The Responses-shaped response for one chain (root first), usage included."""
+def project_chain(
+    rollout_id: str, links: Sequence[ChainLinkTokens], model: str, *, owned: bool = False
+) -> dict[str, Any]:
+    """The Responses-shaped response for one chain (root first), usage included.
+
+    The chain's tokens are laid out once, in one cumulative list; every carrier's prompt and
+    generation are slices of it, so the carriers are prefix-contiguous by construction (each
+    prompt ends where the chain's tokens up to that call end) and no token is decoded or
+    compared twice.  Each carrier still holds its own lists.
+
+    ``owned``: the links were read for this projection only (``Ledger.load_chain``); their
+    output items are taken over instead of deep-copied.  By default nothing of the caller's is
+    mutated or shared.
+    """
     if not links:
         raise ProjectionError(f"rollout {rollout_id!r}: capture produced no safe trainable chain")
     cumulative: list[int] = []
     output: list[dict[str, Any]] = []
-    input_tokens = 0
-    output_tokens = 0
-    for position, link in enumerate(links):
+    carriers: list[tuple[dict[str, Any], int, ChainLinkTokens]] = []
+    for link in links:
         if len(link.generation_token_ids) != len(link.generation_log_probs):
             raise ProjectionError(
                 f"call {link.model_call_id!r}: {len(link.generation_token_ids)} generated "
                 f"tokens but {len(link.generation_log_probs)} log-probs"
             )
         cumulative.extend(link.prompt_suffix)
-        items, carrier = _items_with_carrier(link)
-        # The output format wants every carrier's full prompt, so each gets its own copy.
-        items[carrier]["prompt_token_ids"] = list(cumulative)
-        items[carrier]["generation_token_ids"] = list(link.generation_token_ids)
-        items[carrier]["generation_log_probs"] = list(link.generation_log_probs)
-        if link.routed_experts is not None:
-            items[carrier]["routed_experts"] = copy.deepcopy(link.routed_experts)
-        if position == 0:
-            input_tokens = len(cumulative)
+        items, carrier = _items_with_carrier(link, owned=owned)
+        carriers.append((items[carrier], len(cumulative), link))
         cumulative.extend(link.generation_token_ids)
-        output_tokens += len(link.generation_token_ids)
         output.extend(items)
+    input_tokens = carriers[0][1]
+    output_tokens = 0
+    # One list allocation per carrier when the links are owned (few allocations: a garbage
+    # collection in this loop would traverse every prompt list made so far).
+    for item, start, link in carriers:
+        item["prompt_token_ids"] = cumulative[:start]
+        if owned:
+            item["generation_token_ids"] = link.generation_token_ids
+            item["generation_log_probs"] = link.generation_log_probs
+            if link.routed_experts is not None:
+                item["routed_experts"] = link.routed_experts
+        else:
+            item["generation_token_ids"] = list(link.generation_token_ids)
+            item["generation_log_probs"] = list(link.generation_log_probs)
+            if link.routed_experts is not None:
+                item["routed_experts"] = copy.deepcopy(link.routed_experts)
+        output_tokens += len(link.generation_token_ids)
     return {
         "id": f"proj-{rollout_id}",
         "object": "response",
@@ -108,8 +128,8 @@ def assert_prefix_contiguous(response: Mapping[str, Any]) -> None:
         raise ProjectionError("capture produced no trainable generated tokens")
 
 
-def _items_with_carrier(link: ChainLinkTokens) -> tuple[list[dict[str, Any]], int]:
-    items = copy.deepcopy(link.output_items)
+def _items_with_carrier(link: ChainLinkTokens, *, owned: bool) -> tuple[list[dict[str, Any]], int]:
+    items = list(link.output_items) if owned else copy.deepcopy(link.output_items)
     if not items:
         return [{"type": "message", "role": "assistant", "content": []}], 0
     for position, item in enumerate(items):

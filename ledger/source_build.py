@@ -24,29 +24,39 @@ from __future__ import annotations
 
 import asyncio
 import tempfile
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import sqlalchemy as sa
 
 from ledger.errors import LedgerError
 from ledger.records import TokenEntry, coerce_entry
 from ledger.store import Ledger
+from ledger.types import Build, TokenSource
 
 __all__ = ["build_from_source", "ingest_order"]
 
 
+class Builder(Protocol):
+    """``ledger.delivery.build_rollout``'s signature (handed in: no import cycle)."""
+
+    def __call__(
+        self, ledger: Ledger, result: dict[str, Any], *, deliver: str = ..., consumer: str = ...
+    ) -> Awaitable[Build]: ...
+
+
 async def build_from_source(
-    source: Any,
+    source: TokenSource,
     result: dict[str, Any],
     rollout_id: str,
-    build: Callable[..., Awaitable[dict[str, Any]]],
+    build: Builder,
     *,
     deliver: str = "one",
     consumer: str = "",
-) -> dict[str, Any]:
-    """Freeze ``rollout_id`` at ``source`` and build it with the ledger's builder (``build``)."""
+) -> Build:
+    """Freeze ``rollout_id`` at ``source`` and build it with the ledger's builder (``build``);
+    the build carries the source's snapshot identity and no delivery row."""
     snapshot = await source.freeze(rollout_id)
     with tempfile.TemporaryDirectory(prefix="rollout-ledger-build-") as tmp:
         scratch = await asyncio.to_thread(_scratch_ledger, Path(tmp))
@@ -55,9 +65,7 @@ async def build_from_source(
             built = await build(scratch, result, deliver=deliver, consumer=consumer)
         finally:
             await scratch.close()
-    identity = {"snapshot_id": str(snapshot.snapshot_id), "version": int(snapshot.version)}
-    built.update(identity, _capture_snapshot=dict(identity), delivery_id=None)
-    return built
+    return built.at_snapshot(str(snapshot.snapshot_id), int(snapshot.version))
 
 
 _EMPTY_SCHEMA: bytes | None = None

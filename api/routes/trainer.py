@@ -69,19 +69,17 @@ async def freeze(
 )
 async def finalize(body: FinalizeBody, led: LedgerDep, request: Request) -> FinalizeOut:
     """Rebuild one rollout result: freeze, build, project, mask; returns result and build."""
-    from ledger.delivery import finalize_rollout_token_capture
+    from ledger.delivery import finalize
 
     result = body.result
-    build = await finalize_rollout_token_capture(
-        result, led, deliver=body.deliver, consumer=body.consumer
-    )
-    assert build is not None
+    build = await finalize(result, led, deliver=body.deliver, consumer=body.consumer)
     metrics = request.app.state.metrics
-    metrics.builds.labels(str(build.get("outcome"))).inc()
-    for reason in build.get("mask_reasons") or []:
+    metrics.builds.labels(build.outcome).inc()
+    for reason in build.mask_reasons:
         metrics.masked.labels(reason).inc()
-    slim = {k: v for k, v in build.items() if k != "rebuilt_response"}
-    return FinalizeOut(result=finite_json(result), build=finite_json(slim))
+    # The rebuilt response travels in the result, so the answer's build leaves it out.
+    wire = build.to_wire(with_response=False)
+    return FinalizeOut(result=finite_json(result), build=finite_json(wire))
 
 
 @router.post(

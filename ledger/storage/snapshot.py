@@ -183,13 +183,14 @@ class SnapshotOps(LineageOps):
     ) -> list[ChainLinkTokens]:
         """The tokens of ``terminal_call_id``'s ancestor chain, root first, each read once.
 
-        Walks verified parents in one recursive query; every link's cumulative digest is
-        re-checked while the chain is replayed.  ``expect`` (the builder's plan) must match.
+        Walks verified parents in one recursive query (one round trip, compiled once); every
+        link's cumulative digest is re-checked while the chain is replayed, in one pass over
+        the chain's tokens.  ``expect`` (the builder's plan) must match.
         """
         async with self._read() as conn:
             rows = (
                 await conn.execute(
-                    self._ancestry_query(rollout_id, terminal_call_id, to_anchor=False)
+                    _CHAIN_QUERY, {"rollout_id": rollout_id, "call_id": terminal_call_id}
                 )
             ).all()
         if not rows:
@@ -299,9 +300,17 @@ def _entries_from_rows(rows: Sequence[Any]) -> tuple[list[TokenEntry], list[tupl
 
 
 def _replay_chain(rows: Sequence[Any]) -> list[ChainLinkTokens]:
-    """Turn root-first chain rows into links whose ``prompt_suffix`` is only the new context."""
+    """Turn root-first chain rows into links whose ``prompt_suffix`` is only the new context.
+
+    One running SHA-256 over the chain's tokens proves every link: after each call it must
+    equal the call's stored cumulative digest (the digest of its full prompt + generation).  A
+    record that stores its full prompt contributes only the part beyond its parent's
+    cumulative tokens; if that prompt did not extend the parent byte for byte, the running
+    digest (parent's tokens + the rest) could not equal its stored digest, so the proof needs
+    no second O(context) comparison per call.
+    """
     links: list[ChainLinkTokens] = []
-    cum = bytearray()
+    done = 0  # tokens of the chain so far (prompt + generation of the calls replayed)
     running = codec.RunningDigest()
     for i, r in enumerate(rows):
         if i == 0 and r.prompt_is_delta:
@@ -309,19 +318,18 @@ def _replay_chain(rows: Sequence[Any]) -> list[ChainLinkTokens]:
         if r.prompt_is_delta:
             suffix = r.prompt_ids
         else:
-            if r.prompt_ids[: len(cum)] != bytes(cum):
+            if len(r.prompt_ids) < done * 4:
                 raise InvalidRecord(f"call {r.model_call_id!r} does not extend its parent")
-            suffix = r.prompt_ids[len(cum) :]
-        cum += suffix
-        cum += r.generation_ids
+            suffix = memoryview(r.prompt_ids)[done * 4 :]
         running.update(suffix)
         running.update(r.generation_ids)
-        if running.hexdigest() != r.cumulative_digest:
+        done += (len(suffix) + len(r.generation_ids)) // 4
+        if done != r.cumulative_len or running.hexdigest() != r.cumulative_digest:
             raise InvalidRecord(f"call {r.model_call_id!r} does not match its cumulative digest")
         links.append(
             ChainLinkTokens(
                 model_call_id=r.model_call_id,
-                prompt_suffix=codec.unpack_ids(suffix),
+                prompt_suffix=codec.unpack_ids(bytes(suffix)),
                 generation_token_ids=codec.unpack_ids(r.generation_ids),
                 generation_log_probs=codec.unpack_log_probs(r.log_prob_codec, r.log_probs),
                 output_items=list(r.output_items or []),
@@ -330,3 +338,41 @@ def _replay_chain(rows: Sequence[Any]) -> list[ChainLinkTokens]:
             )
         )
     return links
+
+
+def _chain_query() -> Any:
+    """The chain ending at ``:call_id`` in rollout ``:rollout_id``, root first: one recursive
+    query walking ``parent_call_id`` (built once; only its parameters change)."""
+    rollout_id = sa.bindparam("rollout_id", type_=sa.String())
+    call_id = sa.bindparam("call_id", type_=sa.String())
+    base = sa.select(C.c.id, C.c.parent_call_id, sa.literal(0).label("depth")).where(
+        C.c.rollout_id == rollout_id, C.c.model_call_id == call_id
+    )
+    chain = base.cte("chain", recursive=True)
+    parent = C.alias("p")
+    step = sa.select(parent.c.id, parent.c.parent_call_id, chain.c.depth + 1).where(
+        parent.c.rollout_id == rollout_id,
+        parent.c.model_call_id == chain.c.parent_call_id,
+        chain.c.depth < 1_000_000,
+    )
+    chain = chain.union_all(step)
+    return (
+        sa.select(
+            C.c.model_call_id,
+            C.c.prompt_is_delta,
+            C.c.cumulative_len,
+            C.c.cumulative_digest,
+            C.c.output_items,
+            C.c.token_item_index,
+            T.c.prompt_ids,
+            T.c.generation_ids,
+            T.c.log_probs,
+            T.c.log_prob_codec,
+            T.c.routed_experts,
+        )
+        .select_from(chain.join(C, C.c.id == chain.c.id).join(T, T.c.call_id == C.c.id))
+        .order_by(chain.c.depth.desc())
+    )
+
+
+_CHAIN_QUERY = _chain_query()
