@@ -54,6 +54,7 @@ __all__ = [
     "canonical_metadata",
     "coerce_entry",
     "cumulative_tokens",
+    "gym_packed_digest",
     "gym_token_digest",
     "payload_digest",
 ]
@@ -287,6 +288,22 @@ def gym_token_digest(token_ids: Sequence[int]) -> str:
         h.update(struct.pack(f">{len(token_ids)}Q", *token_ids))
     except struct.error:
         raise ValueError("token ids must be non-negative for the Gym digest") from None
+    return h.hexdigest()
+
+
+def gym_packed_digest(packed: bytes) -> str:
+    """:func:`gym_token_digest` of ids packed as the codec packs them (int32 little-endian,
+    every id non-negative: validated ids are), without a Python int per token: each id's four
+    bytes, reversed, become the low half of its 8-byte big-endian word (strided C copies)."""
+    n = len(packed) // 4
+    h = hashlib.sha256(_GYM_DIGEST_DOMAIN)
+    if not n:
+        return h.hexdigest()
+    h.update(struct.pack(">BQ", _GYM_DIGEST_VERSION, n))
+    wide = bytearray(8 * n)
+    for k in range(4):
+        wide[4 + k :: 8] = packed[3 - k :: 4]
+    h.update(wide)
     return h.hexdigest()
 
 

@@ -24,6 +24,7 @@ from typing import Any
 from ledger import codec
 from ledger.builder import RECORDED_PARENT_METHOD
 from ledger.errors import InvalidRecord, LedgerError, PayloadConflict, RolloutFrozen, RolloutRetired
+from ledger.gym_delta import check_cumulative
 from ledger.lineage_ingest import recorded_decision
 from ledger.records import TokenEntry, payload_digest
 from ledger.storage.statements import STATEMENTS
@@ -37,6 +38,7 @@ __all__ = [
     "begin_call_steps",
     "first_mismatch",
     "prepare",
+    "prepare_delta",
     "put_steps",
     "run_postgres",
     "run_sqlite",
@@ -102,9 +104,30 @@ def prepare(entry: TokenEntry, tips: TipCache | None = None) -> Prepared:
     """Pack and hash a record: the prompt's digest extends the longest remembered tip it starts
     with, so a continuation hashes only its new tokens (pure CPU; may run in a worker thread)."""
     prompt = entry.packed_ids("prompt_token_ids")
-    generation = entry.packed_ids("generation_token_ids")
-    lp_codec, log_probs = codec.pack_log_probs(entry.generation_log_probs)
     base = tips.base_for(entry.rollout_id, prompt) if tips is not None else None
+    return _prepared(entry, prompt, entry.packed_ids("generation_token_ids"), base)
+
+
+def prepare_delta(entry: TokenEntry, tips: TipCache) -> Prepared | None:
+    """A NeMo Gym delta record packed and hashed from its parent's tip, without materializing
+    its prompt: the tip's packed cumulative tokens + the suffix are the prompt, its digest state
+    extended by the suffix is the prompt's digest, and the record's ``cum_len``/``digest`` are
+    checked on those bytes.  None when the parent's tip is not remembered (the caller
+    reconstructs the prompt from the stored chain instead)."""
+    if entry.parent_call_id is None:
+        return None
+    tip = tips.of_call(entry.rollout_id, entry.parent_call_id)
+    if tip is None:
+        return None
+    generation = entry.packed_ids("generation_token_ids")
+    suffix = entry.packed_ids("prompt_token_ids")
+    prompt = tip.cumulative + suffix
+    check_cumulative(entry, prompt + generation)
+    return _prepared(entry, prompt, generation, tip)
+
+
+def _prepared(entry: TokenEntry, prompt: bytes, generation: bytes, base: Tip | None) -> Prepared:
+    lp_codec, log_probs = codec.pack_log_probs(entry.generation_log_probs)
     hasher = PrefixHasher(prompt, base)
     plen = len(prompt) // 4
     state = hasher.state_at(plen)
