@@ -58,7 +58,7 @@ OBSERVERS: list[Callable[[str], None]] = []
 
 def sqlite_now() -> str:
     """Now, as SQLAlchemy's SQLite ``DateTime`` stores it (UTC, no offset)."""
-    return datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
+    return datetime.now(UTC).replace(tzinfo=None).isoformat(" ", "microseconds")
 
 
 def pg_now() -> datetime:
