@@ -26,6 +26,13 @@ COLORS = {
 }
 
 
+_LEDGER_RECORDS = {
+    "gym_delta": "the delta-stamped entries (Gym at its best, delta records on)",
+    "gym_full": "the full-prompt stamped entries (Gym's delta records off)",
+    "plain": "unstamped records as dicts, as the proxy sends them",
+}
+
+
 def _f(v: Any, nd: int = 2) -> str:
     if v is None:
         return "n/a"
@@ -121,12 +128,15 @@ def render(g: dict[str, Any], pngs: list[str]) -> str:
         f"{w['rollouts']} concurrent rollouts x {w['turns']} turns: a {w['system_tokens']:,}-"
         f"token system prompt, {w['tool_tokens']}-token tool outputs, {w['gen_tokens']}-token "
         "generations (token ids from a 151k vocabulary, float32 log-probs, one Responses "
-        "message item per call). Per call both sides do what their capture path does between "
-        "the upstream answer and the harness's answer: the intent (`begin_call`), then the "
-        "record, durable before `put` returns. The Gym side is the released nemo-gym 0.7.0 "
-        "`TokenCaptureStore` (fsync per entry and per intent, from the wheel), its records "
-        "built and stamped as its `capture_tokens`/`commit_entry` do (`stamp_lineage` with the "
-        "resolved parent; with delta records the prompt becomes the suffix). Freeze + build is "
+        "message item per call). Per call both stores do what Gym's capture path asks of its "
+        "sink between the upstream answer and the harness's answer: the intent (`begin_call`), "
+        "then the record, durable before `put` returns. The Gym side is the released nemo-gym "
+        "0.7.0 `TokenCaptureStore` (fsync per entry and per intent, from the wheel). Both "
+        "stores are handed the same records, built and stamped as Gym's `capture_tokens`/"
+        "`commit_entry` do (`stamp_lineage` with the resolved parent; with delta records the "
+        "prompt becomes the suffix); the stamping is done before the timed run for both sides "
+        "(it is the capture path's work, the same whichever store follows). The ledger is fed "
+        f"{_LEDGER_RECORDS.get(g.get('ledger_records', 'plain'), '?')}. Freeze + build is "
         "each side's own: Gym's `trajectories_from_source` (the build inside its "
         "`finalize_rollout_token_capture`), the ledger's `finalize_rollout_token_capture`.\n"
     )
@@ -297,6 +307,10 @@ def render(g: dict[str, Any], pngs: list[str]) -> str:
             _table(
                 ["side", "CPU ms/call turns 1-10", "last 10", "ratio", "freeze + build ms"], lrows
             )
+        )
+        add(
+            "\nCPU per call: the store's own (`begin_call` + `put`, all threads of the process), "
+            "the stamping before `put` excluded.\n"
         )
         add(
             "\nOne rollout of the same shape, calls one at a time, so the process CPU per call "
