@@ -206,9 +206,15 @@ class LedgerCore:
         whose every statement is atomic on its own) in autocommit, one round trip per statement.
         """
         if self.dialect == "sqlite":
-            return await self._transact(
-                lambda conn: ingest.run_sqlite(conn.connection.dbapi_connection, make(False)),
-                flush=flush,
+            if self._group is None:
+                return await self._transact(
+                    lambda conn: ingest.run_sqlite(conn.connection.dbapi_connection, make(False)),
+                    flush=flush,
+                )
+            if self.auto_migrate and not self._schema_ready:
+                await self.ensure_schema()
+            return await self._group.submit(
+                lambda dbapi: ingest.run_sqlite(dbapi, make(False)), flush=flush, raw=True
             )
         if self.auto_migrate and not self._schema_ready:
             await self.ensure_schema()
