@@ -224,12 +224,11 @@ class _GroupCommit:
     def _committed(self, outcomes: list[_Outcome]) -> None:
         """Acknowledge what needs no flush now; hand the rest to the flusher."""
         waiting: list[_Outcome] = []
+        now: list[_Outcome] = []
         for out in outcomes:
             job, _value, error = out
-            if job[3] and error is None:
-                waiting.append(out)
-            else:
-                _resolve(*out)
+            (waiting if job[3] and error is None else now).append(out)
+        _resolve_all(now)
         if waiting:
             self._flushes.put(waiting)
 
@@ -256,8 +255,7 @@ class _GroupCommit:
                 for job, _value, _error in waiting:
                     _resolve(job, None, failure)
             else:
-                for out in waiting:
-                    _resolve(*out)
+                _resolve_all(waiting)
             if stop:
                 return
 
@@ -286,6 +284,27 @@ _Outcome = tuple[_Job, Any, BaseException | None]
 
 class _Replay(Exception):
     """A write failed after changing rows: roll the batch back and rerun it with savepoints."""
+
+
+def _resolve_all(outcomes: list[_Outcome]) -> None:
+    """Settle outcomes with one wake-up of each caller's loop (not one per write)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[_Outcome]] = {}
+    for out in outcomes:
+        by_loop.setdefault(out[0][2], []).append(out)
+    for loop, outs in by_loop.items():
+
+        def settle(outs: list[_Outcome] = outs) -> None:
+            for job, value, error in outs:
+                fut = job[1]
+                if fut.done():
+                    continue
+                if error is not None:
+                    fut.set_exception(error)
+                else:
+                    fut.set_result(value)
+
+        with contextlib.suppress(RuntimeError):  # the caller's loop is gone: nobody is waiting
+            loop.call_soon_threadsafe(settle)
 
 
 def _resolve(job: _Job, value: Any, error: BaseException | None) -> None:
