@@ -332,37 +332,51 @@ NOTES = """## How the ingest path works now (issue 12)
   and the record once, in both dialects; `ledger/storage/ingest.py` holds the logic as step
   functions that a SQLite driver (the group-commit writer's `sqlite3` connection) and an asyncpg
   driver run alike. SQLAlchemy stays for the schema, migrations, reads and rare writes. A call
-  is typically 2 statements for the intent and 6 for the record on SQLite (was 14.9 in all);
-  on Postgres the intent is one autocommit statement and the record's writes one statement.
+  is typically 2 statements for the intent and 5 for the record on SQLite (was 14.9 in all):
+  the rollout's state, the call's row and the call a recorded parent decision names are one
+  read. On Postgres the intent is one autocommit statement (`synchronous_commit=off`) and the
+  record is the lock, that read and one statement for its writes; pool connections go back
+  without asyncpg's reset query (the hot path leaves no session state).
 - **Group commit without a flush in the critical section.** The SQLite writer commits each
   batch with `synchronous=NORMAL` and two flusher threads `fdatasync` the WAL behind it (the
   flush `synchronous=FULL` would do inside the commit); a write that promises durability is
   acknowledged only after a flush that began after its commit, while the writer already runs
-  the next batch. No per-write savepoint: a write that fails before changing anything just
-  fails; one that fails after changing rows makes its batch roll back and rerun with
-  savepoints.
+  the next batch. The writer keeps its connection; a batch of hot-path writes runs between a
+  plain `BEGIN IMMEDIATE` and `COMMIT` on the `sqlite3` connection (no SQLAlchemy transaction
+  per batch), and a batch's writes are settled with one wake-up of the caller's event loop.
+  No per-write savepoint: a write that fails before changing anything just fails; one that
+  fails after changing rows makes its batch roll back and rerun with savepoints.
 - **One flush per call.** An intent's commit does not wait for its own flush
   (`Ledger(flush_intents=False)`, the default): a process crash never loses a committed
   intent, and the call's record, cancel or incomplete mark, flushed later in the same log
   before the harness is answered, makes it durable. The one path where neither is committed
   (recording and marking both failed) still answers the harness (capture never fails the call),
   so a power loss right then could lose the intent as well; `flush_intents=True` closes that.
-- **Validated once, packed once.** The int32 range check is the codec's packing (one C pass
-  instead of `min` + `max`), and those bytes are what ingest stores.
+- **Validated once, packed once, in C.** A record's token ids are checked by one `orjson`
+  pass (its text of the list proves every element a non-negative int: no bool, float, string
+  or nesting) instead of pydantic's per-token `list[int]` check; the int32 bound is the codec's
+  packing, and those bytes are what ingest stores. A bad id is still refused naming its
+  position (the per-token rules run only to word the refusal).
 - **Continuations hash only their suffix.** The ledger keeps the SHA-256 state after each
   rollout's latest calls (`ledger/storage/tips.py`); a prompt that starts with one (a
   `bytes.startswith`) extends that state, and the parent's generation is not re-read when this
   ledger wrote it. The parent is still proven in SQL against the stored (length, digest).
+- **Gym delta records are not made whole.** When the record's parent is one of the rollout's
+  remembered tips, its prompt is the tip's packed cumulative tokens plus the suffix (bytes,
+  no token list, no read of the parent chain), its digest the tip's state extended by the
+  suffix; `cum_len` is checked at no cost and Gym's `digest` on those bytes (Gym's digest
+  has a length header, so it cannot extend a parent's state: this check is the one O(context)
+  step left, ~10 ns per token). A delta whose parent this ledger did not just write is rebuilt
+  from the store as before.
 - **Proxy:** orjson for the request, the upstream answer and the harness's answer; uvicorn with
   httptools.
 
 ## What is not met, and why
 
-- Per-call CPU still grows with the prompt: the record arrives as a Python list of every prompt
-  id, and validating it (pydantic) and packing it are each one C-speed pass over the whole
-  prompt; only the hashing and the SQL are O(new tokens). Making the whole call O(new tokens)
-  needs the prompt to arrive as packed bytes or as a reference to the parent plus the suffix
-  (a record-format change).
+- Full-prompt records (the proxy's, and Gym's with delta records off) still cost O(context)
+  per call: the record arrives as a Python list of every prompt id, and checking it and
+  packing it are C-speed passes over the whole prompt. Delta records (Gym's best) cost
+  O(new tokens) except for the check of Gym's own digest.
 - The 200-turn build: projection writes each call's full prompt into its output item (the
   output format), so freeze + build grows with turns x context; that is the builder's side, not
   ingest.
