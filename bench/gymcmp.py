@@ -5,12 +5,16 @@ The released ``nemo_gym.token_id_capture.store.TokenCaptureStore`` (the wheel un
 same disk, alternating, ``--reps`` times; every figure the report shows for the ledger is a ratio
 against the Gym store measured in the same repetition, with the spread over repetitions.
 
-Per call, both sides do what their capture path does between the upstream answer and the
-harness's answer: the intent (``begin_call``), then the record, durable before it returns.
-Gym records are stamped as Gym's ``commit_entry`` stamps them (``stamp_lineage`` with the
-resolved parent's cumulative tokens; with ``delta_records`` the prompt becomes the suffix beyond
-the parent and ``prompt_is_delta`` is set); the parent's cumulative tokens come from memory (what
-Gym's request-time resolver hands back), so Gym's resolver cost is not counted against it.
+Per call, both stores do what Gym's capture path asks of its sink between the upstream answer
+and the harness's answer: the intent (``begin_call``), then the record, durable before it
+returns.  Both are handed the same records, built and stamped as Gym's ``commit_entry`` stamps
+them (``stamp_lineage`` with the resolved parent's cumulative tokens; with ``delta_records`` the
+prompt becomes the suffix beyond the parent and ``prompt_is_delta`` is set), the parent's
+cumulative tokens from memory (what Gym's request-time resolver hands back).  The stamping is
+done before the timed run for both: it is the capture path's work, the same whichever store
+follows.  The ledger gets the delta-stamped entries (Gym at its best) unless
+``--ledger-records`` says otherwise (``gym_full``; ``plain``: unstamped dicts, as the proxy
+sends them).
 
 Phases: ``ingest`` (8 concurrent rollouts x 50 turns, the issue-12 workload), ``bytes``
 (stored bytes per rollout at 8x50 and 8x10), ``build`` (freeze + build + projection per rollout,
@@ -69,15 +73,19 @@ def _plans(w: Workload, prefix: str) -> list[list[Any]]:
 async def _drive(
     plans: list[list[Any]], call: Callable[[dict[str, Any], dict[str, Any]], Any]
 ) -> dict[str, Any]:
-    """Run every rollout's calls in order, all rollouts at once; per-call CPU when sequential."""
+    """Run every rollout's calls in order, all rollouts at once; per-call CPU when sequential.
+
+    ``call`` returns the CPU ms its store spent (``begin_call`` + ``put``)."""
     cpu_by_turn: dict[int, list[float]] = {}
+    sink_by_turn: dict[int, list[float]] = {}
 
     async def one(calls: list[Any]) -> None:
         state: dict[str, Any] = {}
         for c in calls:
             c0 = time.process_time()
-            await call(c.entry, state)
+            sink_ms = await call(c.entry, state)
             cpu_by_turn.setdefault(c.turn, []).append((time.process_time() - c0) * 1e3)
+            sink_by_turn.setdefault(c.turn, []).append(sink_ms)
 
     n = sum(len(p) for p in plans)
     cpu0, t0 = time.process_time(), time.perf_counter()
@@ -89,24 +97,24 @@ async def _drive(
         "calls_per_s": n / wall,
         "cpu_ms_per_call": cpu * 1e3 / n,
         "cpu_ms_by_turn": {t: statistics.median(v) for t, v in sorted(cpu_by_turn.items())},
+        "sink_cpu_ms_by_turn": {t: statistics.median(v) for t, v in sorted(sink_by_turn.items())},
     }
 
 
-class GymSide:
-    """NeMo Gym 0.7.0's file store, records stamped as its capture path stamps them."""
+class GymStamper:
+    """Gym 0.7.0's ``commit_entry`` between the upstream answer and ``sink.put``: the
+    ``TokenEntry`` that ``capture_tokens`` builds, stamped with ``stamp_lineage`` and the
+    resolved parent (the parent's cumulative tokens from memory, as the request-time resolver
+    hands them back); with ``delta`` the prompt becomes the suffix beyond the parent."""
 
-    def __init__(self, root: Path, *, delta: bool) -> None:
-        self.records, store, self.consumer = _gym()
-        self.root = root
-        self.store = store.TokenCaptureStore(root)
+    def __init__(self, *, delta: bool) -> None:
+        self.records, _store, _consumer = _gym()
         self.delta = delta
         self.RESOLVED = self.records.ParentResolutionStatus.RESOLVED
         self.ROOT = self.records.ParentResolutionStatus.ROOT
 
-    async def call(self, e: dict[str, Any], state: dict[str, Any]) -> None:
-        rid, cid = e["rollout_id"], e["model_call_id"]
-        await self.store.begin_call(rid, cid)
-        entry = self.records.TokenEntry(**e)  # what capture_tokens builds from the response
+    def entry(self, e: dict[str, Any], state: dict[str, Any]) -> Any:
+        entry = self.records.TokenEntry(**e)
         parent = state.get("parent")
         if parent is None:
             self.records.stamp_lineage(entry, None, parent_resolution=self.ROOT)
@@ -125,8 +133,44 @@ class GymSide:
             self.records.stamp_lineage(
                 entry, pid, parent_resolution=self.RESOLVED, cumulative=cumulative
             )
-        await self.store.put(entry)
-        state["parent"] = (cid, list(e["prompt_token_ids"]) + list(e["generation_token_ids"]))
+        state["parent"] = (
+            e["model_call_id"],
+            list(e["prompt_token_ids"]) + list(e["generation_token_ids"]),
+        )
+        return entry
+
+
+def _prestamp(stamper: GymStamper, plans: list[list[Any]]) -> dict[str, Any]:
+    """Every call's entry as ``commit_entry`` hands it to the store, stamped ahead of the timed
+    run: the stamping is the capture path's work, the same whichever store follows, so neither
+    side's calls/s or CPU counts it."""
+    out: dict[str, Any] = {}
+    for calls in plans:
+        state: dict[str, Any] = {}
+        for c in calls:
+            out[c.entry["model_call_id"]] = stamper.entry(c.entry, state)
+    return out
+
+
+class GymSide:
+    """NeMo Gym 0.7.0's file store, records stamped as its capture path stamps them."""
+
+    def __init__(self, root: Path, *, delta: bool) -> None:
+        _records, store, self.consumer = _gym()
+        self.root = root
+        self.store = store.TokenCaptureStore(root)
+        self.stamper = GymStamper(delta=delta)
+        self.stamped: dict[str, Any] = {}
+
+    def prestamp(self, plans: list[list[Any]]) -> None:
+        self.stamped = _prestamp(self.stamper, plans)
+
+    async def call(self, e: dict[str, Any], state: dict[str, Any]) -> float:
+        rid, cid = e["rollout_id"], e["model_call_id"]
+        c0 = time.process_time()
+        await self.store.begin_call(rid, cid)
+        await self.store.put(self.stamped.pop(cid))
+        return (time.process_time() - c0) * 1e3
 
     def bytes_on_disk(self, rollout_ids: list[str]) -> int:
         total = 0
@@ -148,19 +192,31 @@ class GymSide:
 
 
 class LedgerSide:
-    """The ledger, exactly as the proxy drives it (``begin_call`` then ``put``)."""
+    """The ledger as Gym's capture path drives its sink (``begin_call``, then ``put`` of the
+    entry ``commit_entry`` stamped: ``records`` ``gym_delta`` or ``gym_full``), or as the
+    proxy drives it (``plain``: the record as a dict, unstamped)."""
 
-    def __init__(self, db: Db) -> None:
+    def __init__(self, db: Db, records: str = "gym_delta") -> None:
         from ledger.store import Ledger
 
         self.db = db
         self.ledger = Ledger(db.url)
+        self.records = records
+        self.stamper = GymStamper(delta=records == "gym_delta") if records != "plain" else None
+        self.stamped: dict[str, Any] = {}
 
-    async def call(self, e: dict[str, Any], state: dict[str, Any]) -> None:
+    def prestamp(self, plans: list[list[Any]]) -> None:
+        if self.stamper is not None:
+            self.stamped = _prestamp(self.stamper, plans)
+
+    async def call(self, e: dict[str, Any], state: dict[str, Any]) -> float:
+        c0 = time.process_time()
         await self.ledger.begin_call(e["rollout_id"], e["model_call_id"], route=ROUTE, model="p")
-        res = await self.ledger.put(e, route=ROUTE)
+        entry: Any = self.stamped.pop(e["model_call_id"], e)
+        res = await self.ledger.put(entry, route=ROUTE)
         if res.status != "created":
             raise RuntimeError(f"put answered {res.status} for {e['model_call_id']}")
+        return (time.process_time() - c0) * 1e3
 
     async def finalize(self, result: dict[str, Any]) -> dict[str, Any] | None:
         from ledger.delivery import finalize_rollout_token_capture
@@ -217,6 +273,7 @@ async def _run_side(
     *,
     build: bool,
     build_again: bool = False,
+    records: str = "gym_delta",
 ) -> dict[str, Any]:
     prefix = f"{label}-"
     plans = _plans(w, prefix)
@@ -228,16 +285,17 @@ async def _run_side(
         side = GymSide(root, delta=kind == "gym_delta")
     else:
         db = await dbs.create(kind, label.replace("-", "_"))
-        side = LedgerSide(db)
+        side = LedgerSide(db, records)
         before = await db.size_bytes()
     try:
+        side.prestamp(plans)
         out = await _drive(plans, side.call)
         rids = [f"{prefix}{r:04d}" for r in range(w.rollouts)]
         if db is None:
             stored = side.bytes_on_disk(rids)
         else:
             await side.ledger.close()
-            side = LedgerSide(db)
+            side = LedgerSide(db, records)
             stored = await db.size_bytes() - before
         out["stored_bytes_per_rollout"] = stored / w.rollouts
         out["raw_bytes_per_rollout"] = raw
@@ -337,7 +395,13 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             for kind in order:
                 machine.load_snapshot()
                 res = await _run_side(
-                    kind, w, tmp, dbs, f"{kind[:3]}{rep}", build=rep == 0 or args.build_every
+                    kind,
+                    w,
+                    tmp,
+                    dbs,
+                    f"{kind[:3]}{rep}",
+                    build=rep == 0 or args.build_every,
+                    records=args.ledger_records,
                 )
                 res["load"] = machine.load_snapshot()
                 row[kind] = res
@@ -352,7 +416,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         small = replace(w, turns=10)
         bytes_8x10 = {}
         for kind in sides:
-            res = await _run_side(kind, small, tmp, dbs, f"{kind[:3]}s", build=False)
+            res = await _run_side(
+                kind, small, tmp, dbs, f"{kind[:3]}s", build=False, records=args.ledger_records
+            )
             bytes_8x10[kind] = {
                 "stored_bytes_per_rollout": res["stored_bytes_per_rollout"],
                 "bytes_ratio": res["bytes_ratio"],
@@ -361,8 +427,11 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         if args.long_turns:
             lw = replace(w, rollouts=1, turns=args.long_turns)
             for kind in ["gym_delta", *args.backends]:
-                res = await _run_side(kind, lw, tmp, dbs, f"{kind[:3]}l", build=True)
-                by_turn = res["cpu_ms_by_turn"]
+                res = await _run_side(
+                    kind, lw, tmp, dbs, f"{kind[:3]}l", build=True, records=args.ledger_records
+                )
+                # The store's own CPU per call (the bench's own bookkeeping excluded).
+                by_turn = res["sink_cpu_ms_by_turn"]
                 first = [by_turn[t] for t in range(1, 11)]
                 last = [by_turn[t] for t in range(lw.turns - 9, lw.turns + 1)]
                 long[kind] = {
@@ -372,6 +441,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     "ratio": statistics.median(last) / statistics.median(first),
                     "build_ms": res["build"]["ms_p50"],
                     "cpu_ms_by_turn": by_turn,
+                    "call_cpu_ms_by_turn": res["cpu_ms_by_turn"],
                 }
                 print(f"long {kind}: {long[kind]['ratio']:.2f}x", file=sys.stderr, flush=True)
         proxy_out = await _proxy_overhead(args, tmp, dbs) if args.proxy_samples else {}
@@ -379,6 +449,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         await dbs.cleanup()
         shutil.rmtree(tmp, ignore_errors=True)
     return {
+        "ledger_records": args.ledger_records,
         "proxy": proxy_out,
         "generated": datetime.now(UTC).isoformat(timespec="seconds"),
         "workload": w.describe(),
@@ -476,6 +547,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--backends", default="sqlite,postgres")
     ap.add_argument(
         "--proxy-samples", type=int, default=10, help="proxy overhead pairs (0 skips the phase)"
+    )
+    ap.add_argument(
+        "--ledger-records",
+        choices=["gym_delta", "gym_full", "plain"],
+        default="gym_delta",
+        help="what the ledger is fed: Gym-stamped entries with delta records on (Gym at its "
+        "best) or off, or unstamped dicts as the proxy sends them",
     )
     ap.add_argument("--build-every", action="store_true", help="build in every repetition")
     ap.add_argument(

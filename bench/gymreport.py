@@ -26,6 +26,13 @@ COLORS = {
 }
 
 
+_LEDGER_RECORDS = {
+    "gym_delta": "the delta-stamped entries (Gym at its best, delta records on)",
+    "gym_full": "the full-prompt stamped entries (Gym's delta records off)",
+    "plain": "unstamped records as dicts, as the proxy sends them",
+}
+
+
 def _f(v: Any, nd: int = 2) -> str:
     if v is None:
         return "n/a"
@@ -121,12 +128,15 @@ def render(g: dict[str, Any], pngs: list[str]) -> str:
         f"{w['rollouts']} concurrent rollouts x {w['turns']} turns: a {w['system_tokens']:,}-"
         f"token system prompt, {w['tool_tokens']}-token tool outputs, {w['gen_tokens']}-token "
         "generations (token ids from a 151k vocabulary, float32 log-probs, one Responses "
-        "message item per call). Per call both sides do what their capture path does between "
-        "the upstream answer and the harness's answer: the intent (`begin_call`), then the "
-        "record, durable before `put` returns. The Gym side is the released nemo-gym 0.7.0 "
-        "`TokenCaptureStore` (fsync per entry and per intent, from the wheel), its records "
-        "built and stamped as its `capture_tokens`/`commit_entry` do (`stamp_lineage` with the "
-        "resolved parent; with delta records the prompt becomes the suffix). Freeze + build is "
+        "message item per call). Per call both stores do what Gym's capture path asks of its "
+        "sink between the upstream answer and the harness's answer: the intent (`begin_call`), "
+        "then the record, durable before `put` returns. The Gym side is the released nemo-gym "
+        "0.7.0 `TokenCaptureStore` (fsync per entry and per intent, from the wheel). Both "
+        "stores are handed the same records, built and stamped as Gym's `capture_tokens`/"
+        "`commit_entry` do (`stamp_lineage` with the resolved parent; with delta records the "
+        "prompt becomes the suffix); the stamping is done before the timed run for both sides "
+        "(it is the capture path's work, the same whichever store follows). The ledger is fed "
+        f"{_LEDGER_RECORDS.get(g.get('ledger_records', 'plain'), '?')}. Freeze + build is "
         "each side's own: Gym's `trajectories_from_source` (the build inside its "
         "`finalize_rollout_token_capture`), the ledger's `finalize_rollout_token_capture`.\n"
     )
@@ -299,6 +309,10 @@ def render(g: dict[str, Any], pngs: list[str]) -> str:
             )
         )
         add(
+            "\nCPU per call: the store's own (`begin_call` + `put`, all threads of the process), "
+            "the stamping before `put` excluded.\n"
+        )
+        add(
             "\nOne rollout of the same shape, calls one at a time, so the process CPU per call "
             "is the call's own. The prompt at the last turn is ~100k tokens.\n"
         )
@@ -318,37 +332,51 @@ NOTES = """## How the ingest path works now (issue 12)
   and the record once, in both dialects; `ledger/storage/ingest.py` holds the logic as step
   functions that a SQLite driver (the group-commit writer's `sqlite3` connection) and an asyncpg
   driver run alike. SQLAlchemy stays for the schema, migrations, reads and rare writes. A call
-  is typically 2 statements for the intent and 6 for the record on SQLite (was 14.9 in all);
-  on Postgres the intent is one autocommit statement and the record's writes one statement.
+  is typically 2 statements for the intent and 5 for the record on SQLite (was 14.9 in all):
+  the rollout's state, the call's row and the call a recorded parent decision names are one
+  read. On Postgres the intent is one autocommit statement (`synchronous_commit=off`) and the
+  record is the lock, that read and one statement for its writes; pool connections go back
+  without asyncpg's reset query (the hot path leaves no session state).
 - **Group commit without a flush in the critical section.** The SQLite writer commits each
   batch with `synchronous=NORMAL` and two flusher threads `fdatasync` the WAL behind it (the
   flush `synchronous=FULL` would do inside the commit); a write that promises durability is
   acknowledged only after a flush that began after its commit, while the writer already runs
-  the next batch. No per-write savepoint: a write that fails before changing anything just
-  fails; one that fails after changing rows makes its batch roll back and rerun with
-  savepoints.
+  the next batch. The writer keeps its connection; a batch of hot-path writes runs between a
+  plain `BEGIN IMMEDIATE` and `COMMIT` on the `sqlite3` connection (no SQLAlchemy transaction
+  per batch), and a batch's writes are settled with one wake-up of the caller's event loop.
+  No per-write savepoint: a write that fails before changing anything just fails; one that
+  fails after changing rows makes its batch roll back and rerun with savepoints.
 - **One flush per call.** An intent's commit does not wait for its own flush
   (`Ledger(flush_intents=False)`, the default): a process crash never loses a committed
   intent, and the call's record, cancel or incomplete mark, flushed later in the same log
   before the harness is answered, makes it durable. The one path where neither is committed
   (recording and marking both failed) still answers the harness (capture never fails the call),
   so a power loss right then could lose the intent as well; `flush_intents=True` closes that.
-- **Validated once, packed once.** The int32 range check is the codec's packing (one C pass
-  instead of `min` + `max`), and those bytes are what ingest stores.
+- **Validated once, packed once, in C.** A record's token ids are checked by one `orjson`
+  pass (its text of the list proves every element a non-negative int: no bool, float, string
+  or nesting) instead of pydantic's per-token `list[int]` check; the int32 bound is the codec's
+  packing, and those bytes are what ingest stores. A bad id is still refused naming its
+  position (the per-token rules run only to word the refusal).
 - **Continuations hash only their suffix.** The ledger keeps the SHA-256 state after each
   rollout's latest calls (`ledger/storage/tips.py`); a prompt that starts with one (a
   `bytes.startswith`) extends that state, and the parent's generation is not re-read when this
   ledger wrote it. The parent is still proven in SQL against the stored (length, digest).
+- **Gym delta records are not made whole.** When the record's parent is one of the rollout's
+  remembered tips, its prompt is the tip's packed cumulative tokens plus the suffix (bytes,
+  no token list, no read of the parent chain), its digest the tip's state extended by the
+  suffix; `cum_len` is checked at no cost and Gym's `digest` on those bytes (Gym's digest
+  has a length header, so it cannot extend a parent's state: this check is the one O(context)
+  step left, ~10 ns per token). A delta whose parent this ledger did not just write is rebuilt
+  from the store as before.
 - **Proxy:** orjson for the request, the upstream answer and the harness's answer; uvicorn with
   httptools.
 
 ## What is not met, and why
 
-- Per-call CPU still grows with the prompt: the record arrives as a Python list of every prompt
-  id, and validating it (pydantic) and packing it are each one C-speed pass over the whole
-  prompt; only the hashing and the SQL are O(new tokens). Making the whole call O(new tokens)
-  needs the prompt to arrive as packed bytes or as a reference to the parent plus the suffix
-  (a record-format change).
+- Full-prompt records (the proxy's, and Gym's with delta records off) still cost O(context)
+  per call: the record arrives as a Python list of every prompt id, and checking it and
+  packing it are C-speed passes over the whole prompt. Delta records (Gym's best) cost
+  O(new tokens) except for the check of Gym's own digest.
 - The 200-turn build: projection writes each call's full prompt into its output item (the
   output format), so freeze + build grows with turns x context; that is the builder's side, not
   ingest.

@@ -1,10 +1,11 @@
-"""NeMo Gym 0.7.0 delta records made whole before ingest (``Ledger.put`` calls this).
+"""NeMo Gym 0.7.0 delta records: their full prompt, checked against their stamp.
 
 A Gym delta record (``prompt_is_delta``) carries only the prompt suffix after its resolved
-parent.  ``materialize_delta`` gives it its full prompt (the parent's stored cumulative tokens
-plus the suffix), so the ledger's token-prefix proof at ingest sees the real prompt.  The parent
-plus the suffix must reproduce the record's ``cum_len`` and ``digest``; otherwise the record is
-refused.
+parent.  The parent's cumulative tokens plus the suffix must reproduce the record's ``cum_len``
+and ``digest`` (:func:`check_cumulative`); otherwise the record is refused.  Ingest takes the
+parent's packed cumulative tokens from its digest cache when this ledger wrote the parent (no
+read, no token list: ``ledger.storage.ingest.prepare_delta``); otherwise ``materialize_delta``
+gives the record its full prompt from the stored parent chain.
 
 The parent's tokens come from a reader the caller hands in (the ledger's own delta-chain
 rebuild, in one read transaction), so this module imports nothing of the storage module that
@@ -17,9 +18,9 @@ from collections.abc import Awaitable, Callable
 
 from ledger import codec
 from ledger.errors import InvalidRecord, LedgerError
-from ledger.records import TokenEntry, gym_token_digest
+from ledger.records import TokenEntry, gym_packed_digest
 
-__all__ = ["CumulativeReader", "materialize_delta"]
+__all__ = ["CumulativeReader", "check_cumulative", "materialize_delta"]
 
 CumulativeReader = Callable[[str, str], Awaitable[bytes]]
 """``(rollout_id, model_call_id)`` → that call's packed prompt+generation ids, as stored."""
@@ -40,13 +41,21 @@ async def materialize_delta(entry: TokenEntry, read_cumulative: CumulativeReader
             rollout_id=rid,
         ) from None
     prompt = [*base, *entry.prompt_token_ids]
-    full = [*prompt, *entry.generation_token_ids]
-    if (entry.cum_len is not None and entry.cum_len != len(full)) or (
-        entry.digest and gym_token_digest(full) != entry.digest
+    check_cumulative(
+        entry,
+        codec.pack_ids(prompt) + entry.packed_ids("generation_token_ids"),
+    )
+    return entry.model_copy(update={"prompt_token_ids": prompt})
+
+
+def check_cumulative(entry: TokenEntry, cumulative: bytes) -> None:
+    """Refuse a delta record whose reconstructed prompt + generation (packed) does not give its
+    recorded ``cum_len`` and ``digest`` (the length first: it costs nothing)."""
+    if (entry.cum_len is not None and entry.cum_len != len(cumulative) // 4) or (
+        entry.digest and gym_packed_digest(cumulative) != entry.digest
     ):
         raise InvalidRecord(
-            f"delta record {entry.model_call_id!r}: its parent {parent!r} plus its suffix do not "
-            "reproduce its cum_len/digest",
-            rollout_id=rid,
+            f"delta record {entry.model_call_id!r}: its parent {entry.parent_call_id!r} plus its "
+            "suffix do not reproduce its cum_len/digest",
+            rollout_id=entry.rollout_id,
         )
-    return entry.model_copy(update={"prompt_token_ids": prompt})

@@ -37,6 +37,7 @@ from pydantic import (
     Field,
     PrivateAttr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -54,6 +55,7 @@ __all__ = [
     "canonical_metadata",
     "coerce_entry",
     "cumulative_tokens",
+    "gym_packed_digest",
     "gym_token_digest",
     "payload_digest",
 ]
@@ -150,17 +152,13 @@ class TokenEntry(BaseModel):
     def _call_id(cls, v: str) -> str:
         return validate_call_id(v)
 
-    # Before pydantic's lax coercion (which would turn true into 1 and "7" into 7): the same
-    # rules as the proxy's extractor (ledger.token_rules).
-    @field_validator("prompt_token_ids", mode="before")
+    # Instead of pydantic's lax list[int] validation (which would turn true into 1 and "7" into
+    # 7, and costs a Python int check per token): the same rules as the proxy's extractor
+    # (ledger.token_rules) in one C pass, the int32 bound being the packing in ``_shape``.
+    @field_validator("prompt_token_ids", "generation_token_ids", mode="wrap")
     @classmethod
-    def _prompt_ids(cls, v: Any) -> Any:
-        return check_token_ids(v, "prompt_token_ids")
-
-    @field_validator("generation_token_ids", mode="before")
-    @classmethod
-    def _generation_ids(cls, v: Any) -> Any:
-        return check_token_ids(v, "generation_token_ids")
+    def _token_ids(cls, v: Any, _handler: Any, info: ValidationInfo) -> Any:
+        return check_token_ids(v, str(info.field_name), packed_next=True)
 
     @field_validator("generation_log_probs", mode="before")
     @classmethod
@@ -193,8 +191,8 @@ class TokenEntry(BaseModel):
             try:
                 self._packed[name] = (ids, len(ids), codec.pack_ids(ids))
             except InvalidRecord:
-                bad = next(i for i in ids if not -(2**31) <= i < 2**31)
-                raise ValueError(f"{name} holds {bad}, outside the int32 range") from None
+                check_token_ids(ids, name)  # raises, naming the first id out of range
+                raise
         self._check_lineage()
         return self
 
@@ -287,6 +285,22 @@ def gym_token_digest(token_ids: Sequence[int]) -> str:
         h.update(struct.pack(f">{len(token_ids)}Q", *token_ids))
     except struct.error:
         raise ValueError("token ids must be non-negative for the Gym digest") from None
+    return h.hexdigest()
+
+
+def gym_packed_digest(packed: bytes) -> str:
+    """:func:`gym_token_digest` of ids packed as the codec packs them (int32 little-endian,
+    every id non-negative: validated ids are), without a Python int per token: each id's four
+    bytes, reversed, become the low half of its 8-byte big-endian word (strided C copies)."""
+    n = len(packed) // 4
+    h = hashlib.sha256(_GYM_DIGEST_DOMAIN)
+    if not n:
+        return h.hexdigest()
+    h.update(struct.pack(">BQ", _GYM_DIGEST_VERSION, n))
+    wide = bytearray(8 * n)
+    for k in range(4):
+        wide[4 + k :: 8] = packed[3 - k :: 4]
+    h.update(wide)
     return h.hexdigest()
 
 

@@ -10,15 +10,17 @@ these functions, so a record the proxy would refuse cannot be ingested another w
 * ``created_at`` is a finite Unix time between 0 and the end of year 9999.
 
 Each check returns the value as a plain list (or float) or raises ``ValueError`` naming the
-first bad position.  The fast paths run in C (type sets, ``min``/``max``, ``filter``): a
-per-token Python loop costs milliseconds on long prompts, and records are checked on the hot
-path.
+first bad position.  The fast paths run in C (one ``orjson`` pass for the ids' types and signs,
+``max``, ``filter``): a per-token Python loop costs milliseconds on long prompts, and records are
+checked on the hot path.
 """
 
 from __future__ import annotations
 
 import math
 from typing import Any
+
+import orjson
 
 __all__ = [
     "MAX_CREATED_AT",
@@ -39,18 +41,35 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def check_token_ids(value: Any, where: str, *, types_only: bool = False) -> list[int]:
+# What orjson writes for a flat list of non-negative integers, and nothing else can produce: a
+# bool is ``true``, a float has ``.``/``e``, a string quotes, a negative ``-``, a nested list
+# brackets (counted apart).
+_ID_LIST_TEXT = b"0123456789,[]"
+
+
+def _non_negative_ints(value: list[Any]) -> bool:
+    """True when every element is a non-negative ``int`` (never a bool): one pass in C."""
+    try:
+        text = orjson.dumps(value)
+    except orjson.JSONEncodeError:  # beyond 64 bits, or not JSON at all: the slow path tells
+        return False
+    return not text.translate(None, _ID_LIST_TEXT) and text.count(b"[") == 1
+
+
+def check_token_ids(
+    value: Any, where: str, *, types_only: bool = False, packed_next: bool = False
+) -> list[int]:
     """``value`` as a list of token ids, or ``ValueError`` naming the first bad one.
 
     ``types_only``: refuse only what is not an integer (a body model's check before pydantic
-    could coerce it; the range is the record's to check)."""
+    could coerce it; the range is the record's to check).  ``packed_next``: the caller packs
+    the ids as int32 right after, which refuses an id above the range (and then calls this
+    again for the message), so the upper bound is not checked here."""
     if not isinstance(value, list):
         raise ValueError(f"{where} must be a list of token ids, not {type(value).__name__}")
     if not value:
         return value
-    if set(map(type, value)) == {int} and (
-        types_only or (min(value) >= 0 and max(value) <= MAX_TOKEN_ID)
-    ):
+    if _non_negative_ints(value) and (types_only or packed_next or max(value) <= MAX_TOKEN_ID):
         return value
     for position, token in enumerate(value):
         if not _is_int(token):

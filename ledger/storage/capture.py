@@ -139,13 +139,21 @@ class CaptureOps(LineageOps):
         or anything after retire is refused.
         """
         entry = coerce_entry(entry)
+        prep: ingest.Prepared | None = None
         if entry.prompt_is_delta:  # a NeMo Gym delta record: prove lineage on its full prompt
-            entry = await materialize_delta(entry, self._read_cumulative_bytes)
-        n_tokens = len(entry.prompt_token_ids) + len(entry.generation_token_ids)
-        if n_tokens > _OFFLOAD_TOKENS:
-            prep = await asyncio.to_thread(ingest.prepare, entry, self._tips)
-        else:
-            prep = ingest.prepare(entry, self._tips)
+            n_tokens = entry.cum_len or 0
+            if n_tokens > _OFFLOAD_TOKENS:
+                prep = await asyncio.to_thread(ingest.prepare_delta, entry, self._tips)
+            else:
+                prep = ingest.prepare_delta(entry, self._tips)
+            if prep is None:  # the parent's tip is not remembered: rebuild from the store
+                entry = await materialize_delta(entry, self._read_cumulative_bytes)
+        if prep is None:
+            n_tokens = len(entry.prompt_token_ids) + len(entry.generation_token_ids)
+            if n_tokens > _OFFLOAD_TOKENS:
+                prep = await asyncio.to_thread(ingest.prepare, entry, self._tips)
+            else:
+                prep = ingest.prepare(entry, self._tips)
         now = self._now()
         out: ingest.Outcome = await self._run_steps(
             lambda folded: ingest.put_steps(

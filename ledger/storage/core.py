@@ -196,9 +196,15 @@ class LedgerCore:
         whose every statement is atomic on its own) in autocommit, one round trip per statement.
         """
         if self.dialect == "sqlite":
-            return await self._transact(
-                lambda conn: ingest.run_sqlite(conn.connection.dbapi_connection, make(False)),
-                flush=flush,
+            if self._group is None:
+                return await self._transact(
+                    lambda conn: ingest.run_sqlite(conn.connection.dbapi_connection, make(False)),
+                    flush=flush,
+                )
+            if self.auto_migrate and not self._schema_ready:
+                await self.ensure_schema()
+            return await self._group.submit(
+                lambda dbapi: ingest.run_sqlite(dbapi, make(False)), flush=flush, raw=True
             )
         if self.auto_migrate and not self._schema_ready:
             await self.ensure_schema()
@@ -247,7 +253,11 @@ class LedgerCore:
         dsn = self.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
         try:
             return await asyncpg.create_pool(
-                dsn, min_size=1, max_size=4 if lazy else 10, server_settings=settings
+                dsn,
+                min_size=1,
+                max_size=4 if lazy else 10,
+                server_settings=settings,
+                reset=_keep_session,
             )
         except Exception as exc:
             raise Unavailable(f"ledger database unavailable: {exc}") from exc
@@ -310,3 +320,10 @@ def _failed_attempt(extra: Any) -> dict[str, Any]:
     """The failed-attempt note of an intent row's ``extra`` (empty when there is none)."""
     note = extra.get("failed_attempt") if isinstance(extra, dict) else None
     return note if isinstance(note, dict) else {}
+
+
+async def _keep_session(conn: Any) -> None:
+    """Release an asyncpg hot-path connection to its pool as it is (asyncpg has already rolled
+    back any open transaction): the hot path's statements leave no session state (no SET,
+    cursor, LISTEN or advisory lock), so the default reset query would only cost a round trip
+    per operation."""

@@ -24,6 +24,7 @@ from typing import Any
 from ledger import codec
 from ledger.builder import RECORDED_PARENT_METHOD
 from ledger.errors import InvalidRecord, LedgerError, PayloadConflict, RolloutFrozen, RolloutRetired
+from ledger.gym_delta import check_cumulative
 from ledger.lineage_ingest import recorded_decision
 from ledger.records import TokenEntry, payload_digest
 from ledger.storage.statements import STATEMENTS
@@ -37,6 +38,7 @@ __all__ = [
     "begin_call_steps",
     "first_mismatch",
     "prepare",
+    "prepare_delta",
     "put_steps",
     "run_postgres",
     "run_sqlite",
@@ -56,7 +58,7 @@ OBSERVERS: list[Callable[[str], None]] = []
 
 def sqlite_now() -> str:
     """Now, as SQLAlchemy's SQLite ``DateTime`` stores it (UTC, no offset)."""
-    return datetime.now(UTC).strftime("%Y-%m-%d %H:%M:%S.%f")
+    return datetime.now(UTC).replace(tzinfo=None).isoformat(" ", "microseconds")
 
 
 def pg_now() -> datetime:
@@ -102,9 +104,30 @@ def prepare(entry: TokenEntry, tips: TipCache | None = None) -> Prepared:
     """Pack and hash a record: the prompt's digest extends the longest remembered tip it starts
     with, so a continuation hashes only its new tokens (pure CPU; may run in a worker thread)."""
     prompt = entry.packed_ids("prompt_token_ids")
-    generation = entry.packed_ids("generation_token_ids")
-    lp_codec, log_probs = codec.pack_log_probs(entry.generation_log_probs)
     base = tips.base_for(entry.rollout_id, prompt) if tips is not None else None
+    return _prepared(entry, prompt, entry.packed_ids("generation_token_ids"), base)
+
+
+def prepare_delta(entry: TokenEntry, tips: TipCache) -> Prepared | None:
+    """A NeMo Gym delta record packed and hashed from its parent's tip, without materializing
+    its prompt: the tip's packed cumulative tokens + the suffix are the prompt, its digest state
+    extended by the suffix is the prompt's digest, and the record's ``cum_len``/``digest`` are
+    checked on those bytes.  None when the parent's tip is not remembered (the caller
+    reconstructs the prompt from the stored chain instead)."""
+    if entry.parent_call_id is None:
+        return None
+    tip = tips.of_call(entry.rollout_id, entry.parent_call_id)
+    if tip is None:
+        return None
+    generation = entry.packed_ids("generation_token_ids")
+    suffix = entry.packed_ids("prompt_token_ids")
+    prompt = tip.cumulative + suffix
+    check_cumulative(entry, prompt + generation)
+    return _prepared(entry, prompt, generation, tip)
+
+
+def _prepared(entry: TokenEntry, prompt: bytes, generation: bytes, base: Tip | None) -> Prepared:
+    lp_codec, log_probs = codec.pack_log_probs(entry.generation_log_probs)
     hasher = PrefixHasher(prompt, base)
     plen = len(prompt) // 4
     state = hasher.state_at(plen)
@@ -208,13 +231,16 @@ def put_steps(
     ``folded`` (Postgres): the record's writes go in one statement (one round trip)."""
     e = prep.entry
     rid, cid = e.rollout_id, e.model_call_id
+    decision = recorded_decision(e)
+    named = decision.parent_call_id if decision is not None else None
     locked = yield ("rollout_lock", (rid,))
-    rows = (yield ("rollout_and_call", (cid, rid))) if locked else []
+    rows = (yield ("rollout_and_call", (cid, named, rid))) if locked else []
     if not rows:  # no rollout row yet: create it, then lock it before reading the call
         yield ("rollout_create", (rid, False, now, now))
         yield ("rollout_lock", (rid,))
-        rows = yield ("rollout_and_call", (cid, rid))
-    state, version, call_pk, status, stored_digest = rows[0]
+        rows = yield ("rollout_and_call", (cid, named, rid))
+    state, version, call_pk, status, stored_digest = rows[0][:5]
+    recorded = None if rows[0][5] is None else rows[0][5:9]
     if state != "retired" and call_pk is not None and status == "captured":
         if stored_digest == prep.digest:
             return Outcome("duplicate", int(version))
@@ -235,7 +261,7 @@ def put_steps(
     refuse_if_closed(rid, state, f"record for call {cid!r}")
 
     plen, glen = len(prep.prompt) // 4, len(prep.generation) // 4
-    parent = yield from parent_for(prep, rid, plen)
+    parent = yield from parent_for(prep, rid, plen, recorded)
     if parent is not None and parent.method == "token_prefix" and prep.extra.get("prefix_supplied"):
         # Proven by tokens like any edge; the label says the proxy supplied the prefix.
         parent = dataclasses.replace(parent, method="supplied_prefix")
@@ -312,16 +338,19 @@ def put_steps(
     return Outcome("created", int(rows[0][0]), pk, parent, is_delta)
 
 
-def parent_for(prep: Prepared, rollout_id: str, prompt_len: int) -> Steps:
+def parent_for(
+    prep: Prepared, rollout_id: str, prompt_len: int, recorded: Sequence[Any] | None
+) -> Steps:
     """The link parent of a new record: the writer's recorded decision (NeMo Gym 0.7.0, see
     ``ledger.lineage_ingest``) proven by tokens when it recorded one, else the ledger's own
-    token-prefix proof."""
+    token-prefix proof.  ``recorded``: the captured call the decision names (id, call id,
+    cumulative length and digest, read with the rollout's state), or None."""
     decision = recorded_decision(prep.entry)
     if decision is None:
         return (yield from prove_parent(rollout_id, prep.hasher, prompt_len))
     if decision.status != "resolved" or decision.parent_call_id is None:
         return None  # a recorded root stays a root; unresolved is never linked
-    rows = yield ("recorded_parent", (rollout_id, decision.parent_call_id))
+    rows = [recorded] if recorded is not None else []
     if not rows:
         # Never received: recover an unambiguous token-prefix parent, as NeMo Gym does.
         found = yield from prove_parent(rollout_id, prep.hasher, prompt_len)

@@ -75,10 +75,15 @@ _ALL = [
     ),
     _stmt(
         "rollout_and_call",
-        "The rollout's state and version with the call's row, if any (read under the lock).",
-        """SELECT r.state, r.version, c.id, c.status, c.payload_digest
-           FROM rollouts r LEFT JOIN calls c
-             ON c.rollout_id = r.rollout_id AND c.model_call_id = ?
+        "The rollout's state and version with the call's row, if any, and the captured call "
+        "the record's recorded parent decision names, if any (NULL: none named), read under "
+        "the lock in one statement.",
+        """SELECT r.state, r.version, c.id, c.status, c.payload_digest,
+                  p.id, p.model_call_id, p.cumulative_len, p.cumulative_digest
+           FROM rollouts r
+           LEFT JOIN calls c ON c.rollout_id = r.rollout_id AND c.model_call_id = ?
+           LEFT JOIN calls p
+             ON p.rollout_id = r.rollout_id AND p.model_call_id = ? AND p.status = 'captured'
            WHERE r.rollout_id = ?""",
     ),
     _stmt(

@@ -61,6 +61,15 @@ class TipCache:
                     best = tip
             return best
 
+    def of_call(self, rollout_id: str, model_call_id: str) -> Tip | None:
+        """The remembered tip of that call (a delta record's parent), if any."""
+        with self._lock:
+            for tip in reversed(self._tips.get(rollout_id, ())):
+                if tip.model_call_id == model_call_id:
+                    self._tips.move_to_end(rollout_id)
+                    return tip
+            return None
+
     def remember(self, rollout_id: str, tip: Tip) -> None:
         if len(tip.cumulative) > self.max_bytes // 4:
             return

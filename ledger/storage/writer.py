@@ -32,6 +32,11 @@ class _GroupCommit:
     a failing write never takes another's changes with it; a failed commit fails every write of
     the batch.  Nothing is acknowledged before its commit.
 
+    The writer keeps one connection for its lifetime.  A batch of hot-path writes only
+    (``raw``: bodies over the DB-API ``sqlite3`` connection, ``ledger.storage.ingest``) runs
+    between a plain ``BEGIN IMMEDIATE`` and ``COMMIT`` on it, without SQLAlchemy's transaction
+    machinery; any other batch runs through SQLAlchemy on the same connection.
+
     Flushing is pipelined: the connection commits with ``synchronous=NORMAL`` (the WAL frames
     are written, and readable, but not yet flushed) and a flusher thread then ``fdatasync``s
     the WAL file, which is exactly the flush ``synchronous=FULL`` would do inside the commit,
@@ -54,13 +59,18 @@ class _GroupCommit:
         self._flushers: list[threading.Thread] = []
         self._start_lock = threading.Lock()
         self._engine: Engine | None = None
+        self._conn: Connection | None = None  # the writer thread's, for its lifetime
         self._db_path = os.path.abspath(str(engine.url.database or ""))
 
-    async def submit(self, body: Callable[[Connection], _T], *, flush: bool = True) -> _T:
+    async def submit(
+        self, body: Callable[[Any], _T], *, flush: bool = True, raw: bool = False
+    ) -> _T:
+        """Run ``body`` in the next batch; ``raw``: it takes the DB-API connection instead of
+        a SQLAlchemy ``Connection``."""
         self._ensure_thread()
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[_T] = loop.create_future()
-        self._queue.put((body, fut, loop, flush))
+        self._queue.put((body, fut, loop, flush, raw))
         return await asyncio.shield(fut)
 
     def _ensure_thread(self) -> None:
@@ -98,6 +108,12 @@ class _GroupCommit:
             self._engine = None
 
     def _run(self) -> None:
+        try:
+            self._serve()
+        finally:
+            self._drop_connection()
+
+    def _serve(self) -> None:
         while True:
             first = self._queue.get()
             if first is None:
@@ -117,41 +133,67 @@ class _GroupCommit:
             if stop:
                 return
 
+    def _connection(self) -> Connection:
+        """The writer's connection, opened on first use and after a failure dropped it."""
+        assert self._engine is not None
+        if self._conn is None or self._conn.closed or self._conn.invalidated:
+            self._drop_connection()
+            conn = self._engine.connect()
+            # Idempotent and cheap (no I/O); the engine's connect hook sets FULL.
+            conn.connection.dbapi_connection.execute("PRAGMA synchronous=NORMAL")  # type: ignore[union-attr]
+            self._conn = conn
+        return self._conn
+
+    def _drop_connection(self) -> None:
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            with contextlib.suppress(Exception):
+                conn.close()
+
     def _commit(self, batch: list[_Job]) -> None:
         """Run the batch in one transaction without savepoints; a write that fails after it
         changed something makes the whole transaction roll back and run again with one
         savepoint per write (so each write still succeeds or fails alone)."""
-        assert self._engine is not None
         outcomes: list[_Outcome] = []
         try:
-            with self._engine.connect() as conn:
-                dbapi: Any = conn.connection.dbapi_connection
-                self._unflushed_commits(dbapi)
+            conn = self._connection()
+            dbapi: Any = conn.connection.dbapi_connection
+            if all(job[4] for job in batch):
+                self._run_raw(dbapi, batch, outcomes)
+            else:
                 with conn.begin():
                     self._run_batch(conn, dbapi, batch, outcomes)
         except _Replay:
             self._commit_with_savepoints(batch)
             return
         except Exception as exc:  # the commit (or the transaction) failed: nothing is durable
+            self._drop_connection()
             failure = _translate_error(exc)
             for job in batch:
                 _resolve(job, None, failure)
             return
         self._committed(outcomes)
 
-    @staticmethod
-    def _unflushed_commits(dbapi: Any) -> None:
-        # Idempotent and cheap (no I/O); the engine's connect hook sets FULL.
-        dbapi.execute("PRAGMA synchronous=NORMAL")
+    @classmethod
+    def _run_raw(cls, dbapi: Any, batch: list[_Job], outcomes: list[_Outcome]) -> None:
+        dbapi.execute("BEGIN IMMEDIATE")
+        try:
+            cls._run_batch(None, dbapi, batch, outcomes)
+            dbapi.execute("COMMIT")
+        except BaseException:
+            if dbapi.in_transaction:
+                with contextlib.suppress(Exception):
+                    dbapi.execute("ROLLBACK")
+            raise
 
     @staticmethod
     def _run_batch(
-        conn: Connection, dbapi: Any, batch: list[_Job], outcomes: list[_Outcome]
+        conn: Connection | None, dbapi: Any, batch: list[_Job], outcomes: list[_Outcome]
     ) -> None:
         for job in batch:
             changes = dbapi.total_changes
             try:
-                outcomes.append((job, job[0](conn), None))
+                outcomes.append((job, job[0](dbapi if job[4] else conn), None))
             except Exception as exc:
                 if dbapi.total_changes != changes or not dbapi.in_transaction:
                     raise _Replay from exc
@@ -159,17 +201,20 @@ class _GroupCommit:
                 outcomes.append((job, None, _translate_error(exc)))
 
     def _commit_with_savepoints(self, batch: list[_Job]) -> None:
-        assert self._engine is not None
         outcomes: list[_Outcome] = []
         try:
-            with self._engine.begin() as conn:
+            conn = self._connection()
+            dbapi: Any = conn.connection.dbapi_connection
+            with conn.begin():
                 for job in batch:
                     try:
                         with conn.begin_nested():
-                            outcomes.append((job, job[0](conn), None))
+                            value = job[0](dbapi if job[4] else conn)
+                        outcomes.append((job, value, None))
                     except Exception as exc:  # this write alone rolls back to its savepoint
                         outcomes.append((job, None, _translate_error(exc)))
         except Exception as exc:  # the commit (or the transaction) failed: nothing is durable
+            self._drop_connection()
             failure = _translate_error(exc)
             for job in batch:
                 _resolve(job, None, failure)
@@ -179,12 +224,11 @@ class _GroupCommit:
     def _committed(self, outcomes: list[_Outcome]) -> None:
         """Acknowledge what needs no flush now; hand the rest to the flusher."""
         waiting: list[_Outcome] = []
+        now: list[_Outcome] = []
         for out in outcomes:
             job, _value, error = out
-            if job[3] and error is None:
-                waiting.append(out)
-            else:
-                _resolve(*out)
+            (waiting if job[3] and error is None else now).append(out)
+        _resolve_all(now)
         if waiting:
             self._flushes.put(waiting)
 
@@ -211,8 +255,7 @@ class _GroupCommit:
                 for job, _value, _error in waiting:
                     _resolve(job, None, failure)
             else:
-                for out in waiting:
-                    _resolve(*out)
+                _resolve_all(waiting)
             if stop:
                 return
 
@@ -231,8 +274,9 @@ class _GroupCommit:
             return
 
 
-# (body, future, the caller's loop, whether its commit must wait for the flush)
-_Job = tuple[Callable[[Connection], Any], "asyncio.Future[Any]", asyncio.AbstractEventLoop, bool]
+# (body, future, the caller's loop, whether its commit must wait for the flush, whether the body
+# takes the DB-API connection)
+_Job = tuple[Callable[[Any], Any], "asyncio.Future[Any]", asyncio.AbstractEventLoop, bool, bool]
 
 
 _Outcome = tuple[_Job, Any, BaseException | None]
@@ -242,8 +286,29 @@ class _Replay(Exception):
     """A write failed after changing rows: roll the batch back and rerun it with savepoints."""
 
 
+def _resolve_all(outcomes: list[_Outcome]) -> None:
+    """Settle outcomes with one wake-up of each caller's loop (not one per write)."""
+    by_loop: dict[asyncio.AbstractEventLoop, list[_Outcome]] = {}
+    for out in outcomes:
+        by_loop.setdefault(out[0][2], []).append(out)
+    for loop, outs in by_loop.items():
+
+        def settle(outs: list[_Outcome] = outs) -> None:
+            for job, value, error in outs:
+                fut = job[1]
+                if fut.done():
+                    continue
+                if error is not None:
+                    fut.set_exception(error)
+                else:
+                    fut.set_result(value)
+
+        with contextlib.suppress(RuntimeError):  # the caller's loop is gone: nobody is waiting
+            loop.call_soon_threadsafe(settle)
+
+
 def _resolve(job: _Job, value: Any, error: BaseException | None) -> None:
-    _body, fut, loop, _flush = job
+    _body, fut, loop, _flush, _raw = job
 
     def settle() -> None:
         if fut.done():

@@ -1,0 +1,119 @@
+"""NeMo Gym delta records ingested from the parent's digest-cache tip (issue 12): the same rows
+as a delta made whole from the stored chain, and the same refusals, on SQLite and Postgres."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from ledger import codec
+from ledger.errors import InvalidRecord
+from ledger.records import ParentResolutionStatus, TokenEntry, gym_packed_digest, gym_token_digest
+from ledger.store import Ledger
+
+Rid = Callable[[str], str]
+
+
+# Generation slows down on a loaded machine; what is checked does not.
+@settings(suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@given(st.lists(st.integers(min_value=0, max_value=2**31 - 1), max_size=80))
+def test_the_gym_digest_of_packed_ids_is_the_gym_digest(ids: list[int]) -> None:
+    assert gym_packed_digest(codec.pack_ids(ids)) == gym_token_digest(ids)
+
+
+def record(
+    rid: str, cid: str, prompt: list[int], gen: list[int], parent: tuple[str, list[int]] | None
+) -> TokenEntry:
+    """A record as Gym's ``commit_entry`` stamps it with delta records on."""
+    full = [*prompt, *gen]
+    fields: dict[str, Any] = {
+        "rollout_id": rid,
+        "model_call_id": cid,
+        "prompt_token_ids": prompt,
+        "generation_token_ids": gen,
+        "generation_log_probs": [-0.5] * len(gen),
+        "cum_len": len(full),
+        "digest": gym_token_digest(full),
+        "parent_resolution": ParentResolutionStatus.ROOT,
+    }
+    if parent is not None:
+        pid, parent_cum = parent
+        assert prompt[: len(parent_cum)] == parent_cum
+        fields |= {
+            "prompt_token_ids": prompt[len(parent_cum) :],
+            "prompt_is_delta": True,
+            "parent_call_id": pid,
+            "parent_resolution": ParentResolutionStatus.RESOLVED,
+        }
+    return TokenEntry(**fields)
+
+
+def chain(rid: str, turns: int) -> list[TokenEntry]:
+    out: list[TokenEntry] = []
+    prompt = list(range(100, 140))
+    parent: tuple[str, list[int]] | None = None
+    for t in range(turns):
+        gen = [1000 + 10 * t + k for k in range(5)]
+        cid = f"c{t}"
+        out.append(record(rid, cid, prompt, gen, parent))
+        parent = (cid, [*prompt, *gen])
+        prompt = [*prompt, *gen, 7, 8, 9 + t]
+    return out
+
+
+async def rows(led: Ledger, rid: str) -> list[tuple[Any, ...]]:
+    views = await led.freeze_views(rid)
+    full = await led.freeze(rid)
+    return [(v.model_call_id, v.parent_call_id, v.edge_method) for v in views.calls] + [
+        (e.model_call_id, e.prompt_token_ids, e.cum_len, e.digest) for e in full.entries
+    ]
+
+
+async def test_a_delta_from_the_tip_stores_what_a_delta_rebuilt_from_the_store_does(
+    db_url: str, rid: Rid
+) -> None:
+    warm, cold = rid("warm"), rid("cold")
+    led = Ledger(db_url)
+    try:
+        for e in chain(warm, 4):  # every parent's tip is remembered: no read, no token list
+            if e.parent_call_id is not None:
+                assert led._tips.of_call(warm, e.parent_call_id) is not None
+            assert (await led.put(e)).status == "created"
+        for e in chain(cold, 4):  # a fresh ledger per call: every delta rebuilt from the store
+            fresh = Ledger(db_url)
+            try:
+                res = await fresh.put(e)
+            finally:
+                await fresh.close()
+            assert res.status == "created"
+            assert res.prompt_is_delta == (e.parent_call_id is not None)
+        # Re-sent to the ledger that remembers the tips: byte-identical repeats.
+        for e in chain(cold, 4):
+            assert (await led.put(e)).status == "duplicate"
+        got_warm, got_cold = await rows(led, warm), await rows(led, cold)
+        assert got_warm == got_cold
+        assert got_warm[1][1:] == ("c0", "recorded_parent")
+    finally:
+        await led.close()
+
+
+async def test_a_delta_from_the_tip_is_refused_when_it_does_not_reproduce_its_stamp(
+    db_url: str, rid: Rid
+) -> None:
+    r = rid("forged")
+    led = Ledger(db_url)
+    try:
+        first, second = chain(r, 2)
+        await led.put(first)
+        too_long = second.model_copy(update={"cum_len": (second.cum_len or 0) + 1})
+        other_digest = second.model_copy(update={"digest": gym_token_digest([1, 2, 3])})
+        for bad in (too_long, other_digest):
+            with pytest.raises(InvalidRecord, match="do not reproduce its cum_len/digest"):
+                await led.put(bad)
+        assert (await led.put(second)).status == "created"
+    finally:
+        await led.close()
