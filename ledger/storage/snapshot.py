@@ -264,14 +264,15 @@ def _entries_from_rows(rows: Sequence[Any]) -> tuple[list[TokenEntry], list[tupl
     entries: list[TokenEntry] = []
     broken: list[tuple[str, str]] = []
     for r in rows:
-        prompt = r.prompt_ids
+        prompt = codec.load_ids(r.ids_codec, r.prompt_ids)
+        generation = codec.load_ids(r.ids_codec, r.generation_ids)
         if r.prompt_is_delta:
             base = cumulative.get(r.parent_call_id)
             if base is None:
                 broken.append((r.model_call_id, f"parent {r.parent_call_id!r} unavailable"))
                 continue
             prompt = base + prompt
-        full = prompt + r.generation_ids
+        full = prompt + generation
         if codec.token_digest(full) != r.cumulative_digest:
             broken.append((r.model_call_id, "cumulative digest mismatch"))
             continue
@@ -284,7 +285,7 @@ def _entries_from_rows(rows: Sequence[Any]) -> tuple[list[TokenEntry], list[tupl
                     "model_call_id": r.model_call_id,
                     "model": r.model,
                     "prompt_token_ids": codec.unpack_ids(prompt),
-                    "generation_token_ids": codec.unpack_ids(r.generation_ids),
+                    "generation_token_ids": codec.unpack_ids(generation),
                     "generation_log_probs": codec.unpack_log_probs(r.log_prob_codec, r.log_probs),
                     "routed_experts": r.routed_experts,
                     "output_items": r.output_items or [],
@@ -306,23 +307,25 @@ def _replay_chain(rows: Sequence[Any]) -> list[ChainLinkTokens]:
     for i, r in enumerate(rows):
         if i == 0 and r.prompt_is_delta:
             raise InvalidRecord(f"chain root {r.model_call_id!r} stores only a delta prompt")
+        prompt = codec.load_ids(r.ids_codec, r.prompt_ids)
+        generation = codec.load_ids(r.ids_codec, r.generation_ids)
         if r.prompt_is_delta:
-            suffix = r.prompt_ids
+            suffix = prompt
         else:
-            if r.prompt_ids[: len(cum)] != bytes(cum):
+            if prompt[: len(cum)] != bytes(cum):
                 raise InvalidRecord(f"call {r.model_call_id!r} does not extend its parent")
-            suffix = r.prompt_ids[len(cum) :]
+            suffix = prompt[len(cum) :]
         cum += suffix
-        cum += r.generation_ids
+        cum += generation
         running.update(suffix)
-        running.update(r.generation_ids)
+        running.update(generation)
         if running.hexdigest() != r.cumulative_digest:
             raise InvalidRecord(f"call {r.model_call_id!r} does not match its cumulative digest")
         links.append(
             ChainLinkTokens(
                 model_call_id=r.model_call_id,
                 prompt_suffix=codec.unpack_ids(suffix),
-                generation_token_ids=codec.unpack_ids(r.generation_ids),
+                generation_token_ids=codec.unpack_ids(generation),
                 generation_log_probs=codec.unpack_log_probs(r.log_prob_codec, r.log_probs),
                 output_items=list(r.output_items or []),
                 token_item_index=r.token_item_index,
