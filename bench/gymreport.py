@@ -276,8 +276,9 @@ def render(g: dict[str, Any], pngs: list[str]) -> str:
         "call; for Postgres the server's own CPU comes on top. *KiB/rollout*: Gym, the sizes of "
         "its per-rollout files (entries, intents, state); SQLite, database file growth after a "
         "TRUNCATE checkpoint; Postgres, growth of relation sizes (heap, TOAST, indexes); the "
-        "ledger's growth is measured past one warm-up rollout (on every side, counted nowhere), "
-        "so a new database's one-off first pages are not charged to the rollouts. *raw*: 4 "
+        "ledger's growth is measured past a warm-up batch (the same number of concurrent rollouts, "
+        "up to 10 turns; on every side, counted nowhere), so a new database's one-off first "
+        "pages are not charged to the rollouts. *raw*: 4 "
         "bytes per distinct token id plus 4 per generated log-prob.\n"
     )
     for p in pngs:
