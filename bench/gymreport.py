@@ -278,7 +278,8 @@ def render(g: dict[str, Any], pngs: list[str]) -> str:
         "TRUNCATE checkpoint; Postgres, growth of relation sizes (heap, TOAST, indexes); the "
         "ledger's growth is measured past a warm-up batch (the same number of concurrent rollouts, "
         "up to 10 turns; on every side, counted nowhere), so a new database's one-off first "
-        "pages are not charged to the rollouts. *raw*: 4 "
+        "pages are not charged to the rollouts; the 8x10 figure is taken over five 8x10 batches "
+        "in a row (as many calls as 8x50). *raw*: 4 "
         "bytes per distinct token id plus 4 per generated log-prob.\n"
     )
     for p in pngs:
