@@ -127,7 +127,7 @@ def unpack_log_probs(tag: str, data: bytes) -> list[float]:
 
 
 def deflate_planes(data: bytes, width: int, *, huffman_only: bool = False) -> bytes:
-    """``data`` (``width``-byte values) as byte planes, one raw-deflate block per plane.
+    """``data`` (``width``-byte values) as byte planes in one raw-deflate stream.
 
     ``huffman_only`` skips the string matching (the right choice for float mantissas, where
     matches are chance and only cost bits)."""
@@ -135,11 +135,14 @@ def deflate_planes(data: bytes, width: int, *, huffman_only: bool = False) -> by
         raise ValueError(f"{len(data)} bytes is not a whole number of {width}-byte values")
     strategy = zlib.Z_HUFFMAN_ONLY if huffman_only else zlib.Z_DEFAULT_STRATEGY
     z = zlib.compressobj(1, zlib.DEFLATED, _WBITS, _MEM_LEVEL, strategy)
-    out = []
-    for plane in range(width - 1):
+    # The low half of the planes (near-uniform bytes) share one block; every higher plane gets
+    # a block, so its own codes.  Block boundaries are the encoder's choice: the reader only
+    # inflates the stream and puts the planes back.
+    low = width // 2
+    out = [z.compress(b"".join([data[plane::width] for plane in range(low)]))]
+    for plane in range(low, width):
+        out.append(z.flush(zlib.Z_BLOCK))
         out.append(z.compress(data[plane::width]))
-        out.append(z.flush(zlib.Z_BLOCK))  # a new block, so each plane gets its own codes
-    out.append(z.compress(data[width - 1 :: width]))
     out.append(z.flush())
     return b"".join(out)
 
