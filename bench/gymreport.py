@@ -285,8 +285,12 @@ def render(g: dict[str, Any], pngs: list[str]) -> str:
         "\n*CPU ms/call*: CPU time of the benchmark process (all its threads) over the run per "
         "call; for Postgres the server's own CPU comes on top. *KiB/rollout*: Gym, the sizes of "
         "its per-rollout files (entries, intents, state); SQLite, database file growth after a "
-        "TRUNCATE checkpoint; Postgres, relation sizes (heap, TOAST, indexes). *raw*: 4 bytes "
-        "per distinct token id plus 4 per generated log-prob.\n"
+        "TRUNCATE checkpoint; Postgres, growth of relation sizes (heap, TOAST, indexes); the "
+        "ledger's growth is measured past a warm-up batch (the same number of concurrent rollouts, "
+        "up to 10 turns; on every side, counted nowhere), so a new database's one-off first "
+        "pages are not charged to the rollouts; the 8x10 figure is taken over five 8x10 batches "
+        "in a row (as many calls as 8x50). *raw*: 4 "
+        "bytes per distinct token id plus 4 per generated log-prob.\n"
     )
     for p in pngs:
         add(f"![{p}]({p})\n")

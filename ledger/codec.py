@@ -4,6 +4,14 @@ Ids are int32; log-probs are float32 when every value survives the round trip th
 bit-exactly (what vLLM's samplers produce), float64 otherwise.  Decoding gives back exactly the
 Python values that were encoded, ``-9999.0`` and ``-inf`` included; NaN is refused.
 
+Stored arrays (``call_tokens``) name their encoding per row (``ids_codec``, ``log_prob_codec``):
+the plain little-endian arrays above, or the same bytes split into byte planes (every value's
+byte 0, then every byte 1, ...) and deflated, one deflate block per plane.  Token ids sit far
+below 2**31 (a 151k vocabulary needs 18 bits), so their high planes are nearly constant, and so
+are the sign and exponent bytes of log-probs; the low planes stay close to raw (deflate stores a
+block as-is when coding does not pay).  Small arrays stay plain.  Every digest is defined on the
+plain int32 bytes, never on a stored encoding.
+
 The token digest is SHA-256 over a domain tag and the int32-LE bytes, with no length header, so a
 single pass over a prompt yields the digest of every prefix (``prefix_digests``): that is what lets
 the ledger test lineage candidates by (length, digest) in SQL without loading their tokens.
@@ -14,20 +22,30 @@ from __future__ import annotations
 import hashlib
 import math
 import sys
+import zlib
 from array import array
 from collections.abc import Iterable, Sequence
 
 from ledger.errors import InvalidRecord
 
 __all__ = [
+    "IDS_PLANES",
     "IDS_TAG",
     "LOGPROB_F32",
+    "LOGPROB_F32_PLANES",
     "LOGPROB_F64",
+    "LOGPROB_F64_PLANES",
+    "MIN_DEFLATE_BYTES",
     "RunningDigest",
+    "deflate_planes",
     "digest_state",
+    "inflate_planes",
+    "load_ids",
     "pack_ids",
     "pack_log_probs",
     "prefix_digests",
+    "store_ids",
+    "store_log_probs",
     "token_digest",
     "unpack_ids",
     "unpack_log_probs",
@@ -36,6 +54,18 @@ __all__ = [
 IDS_TAG = "i4le"
 LOGPROB_F32 = "f4le"
 LOGPROB_F64 = "f8le"
+# Byte-plane deflated forms of the three (see the module docstring).
+IDS_PLANES = "i4pz"
+LOGPROB_F32_PLANES = "f4pz"
+LOGPROB_F64_PLANES = "f8pz"
+# Arrays (a row's ids together) shorter than this are stored plain: deflate's block headers
+# would eat what it saves.
+MIN_DEFLATE_BYTES = 64
+_PLANES_OF = {LOGPROB_F32: LOGPROB_F32_PLANES, LOGPROB_F64: LOGPROB_F64_PLANES}
+# A small window and hash table: planes are short and matches are rare, so deflate's setup
+# (not its coding) is what a call would pay for with the defaults.
+_WBITS = -12
+_MEM_LEVEL = 4
 _DOMAIN = b"rollout-ledger/tokens/v1\x00"
 _BIG_ENDIAN = sys.byteorder == "big"
 
@@ -89,7 +119,72 @@ def unpack_log_probs(tag: str, data: bytes) -> list[float]:
         return _from_le("f", data).tolist()
     if tag == LOGPROB_F64:
         return _from_le("d", data).tolist()
+    if tag == LOGPROB_F32_PLANES:
+        return _from_le("f", inflate_planes(bytes(data), 4)).tolist()
+    if tag == LOGPROB_F64_PLANES:
+        return _from_le("d", inflate_planes(bytes(data), 8)).tolist()
     raise InvalidRecord(f"unknown log-prob codec {tag!r}")
+
+
+def deflate_planes(data: bytes, width: int, *, huffman_only: bool = False) -> bytes:
+    """``data`` (``width``-byte values) as byte planes in one raw-deflate stream.
+
+    ``huffman_only`` skips the string matching (the right choice for float mantissas, where
+    matches are chance and only cost bits)."""
+    if len(data) % width:
+        raise ValueError(f"{len(data)} bytes is not a whole number of {width}-byte values")
+    strategy = zlib.Z_HUFFMAN_ONLY if huffman_only else zlib.Z_DEFAULT_STRATEGY
+    z = zlib.compressobj(1, zlib.DEFLATED, _WBITS, _MEM_LEVEL, strategy)
+    # The low half of the planes (near-uniform bytes) share one block; every higher plane gets
+    # a block, so its own codes.  Block boundaries are the encoder's choice: the reader only
+    # inflates the stream and puts the planes back.
+    low = width // 2
+    out = [z.compress(b"".join([data[plane::width] for plane in range(low)]))]
+    for plane in range(low, width):
+        out.append(z.flush(zlib.Z_BLOCK))
+        out.append(z.compress(data[plane::width]))
+    out.append(z.flush())
+    return b"".join(out)
+
+
+def inflate_planes(data: bytes, width: int) -> bytes:
+    """The inverse of :func:`deflate_planes`: the original ``width``-byte values."""
+    try:
+        planes = zlib.decompress(data, -15)
+    except zlib.error as exc:
+        raise InvalidRecord(f"stored token array does not inflate: {exc}") from None
+    if len(planes) % width:
+        raise InvalidRecord("stored token array inflates to a partial value")
+    n = len(planes) // width
+    out = bytearray(len(planes))
+    for plane in range(width):
+        out[plane::width] = planes[plane * n : (plane + 1) * n]
+    return bytes(out)
+
+
+def store_ids(prompt: bytes, generation: bytes) -> tuple[str, bytes, bytes]:
+    """A row's packed prompt and generation ids as stored: ``(ids_codec, prompt, generation)``."""
+    if len(prompt) + len(generation) < MIN_DEFLATE_BYTES:
+        return IDS_TAG, prompt, generation
+    return IDS_PLANES, deflate_planes(prompt, 4), deflate_planes(generation, 4)
+
+
+def load_ids(tag: str, data: bytes) -> bytes:
+    """Stored ids back to packed int32-LE bytes (what digests and comparisons see)."""
+    if tag == IDS_TAG:
+        return bytes(data)
+    if tag == IDS_PLANES:
+        return inflate_planes(bytes(data), 4)
+    raise InvalidRecord(f"unknown token id codec {tag!r}")
+
+
+def store_log_probs(values: Sequence[float]) -> tuple[str, bytes]:
+    """Log-probs as stored: :func:`pack_log_probs`, deflated by plane when not small."""
+    tag, data = pack_log_probs(values)
+    if len(data) < MIN_DEFLATE_BYTES:
+        return tag, data
+    width = 4 if tag == LOGPROB_F32 else 8
+    return _PLANES_OF[tag], deflate_planes(data, width, huffman_only=True)
 
 
 def token_digest(ids: Sequence[int] | bytes) -> str:
@@ -125,7 +220,7 @@ class RunningDigest:
     def __init__(self) -> None:
         self._h = hashlib.sha256(_DOMAIN)
 
-    def update(self, packed: bytes) -> None:
+    def update(self, packed: bytes | memoryview) -> None:
         self._h.update(packed)
 
     def hexdigest(self) -> str:

@@ -149,7 +149,7 @@ class LineageEdge(Base):
         UniqueConstraint("child_id", "parent_id"),
         CheckConstraint(_in("status", EDGE_STATUSES), name="status"),
         Index(None, "rollout_id"),
-        Index(None, "child_id"),
+        # No index on child_id alone: the unique constraint above leads with it.
         Index(None, "parent_id"),
     )
 

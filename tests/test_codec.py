@@ -74,3 +74,67 @@ def test_running_digest_matches_whole_sequence() -> None:
 def test_digest_distinguishes_sequences_and_lengths() -> None:
     assert codec.token_digest([]) != codec.token_digest([0])
     assert codec.token_digest([1, 2]) != codec.token_digest([2, 1])
+
+
+# --------------------------------------------------------------------------- stored encodings
+
+
+@given(st.lists(int32, max_size=600), st.lists(int32, max_size=600))
+def test_stored_ids_round_trip(prompt: list[int], generation: list[int]) -> None:
+    p, g = codec.pack_ids(prompt), codec.pack_ids(generation)
+    tag, sp, sg = codec.store_ids(p, g)
+    assert codec.load_ids(tag, sp) == p and codec.load_ids(tag, sg) == g
+    small = len(p) + len(g) < codec.MIN_DEFLATE_BYTES
+    assert tag == (codec.IDS_TAG if small else codec.IDS_PLANES)
+
+
+@given(st.lists(finite_or_neg_inf, max_size=600))
+def test_stored_log_probs_round_trip_bit_exact(values: list[float]) -> None:
+    tag, stored = codec.store_log_probs(values)
+    back = codec.unpack_log_probs(tag, stored)
+    assert [struct.pack("<d", v) for v in back] == [struct.pack("<d", v) for v in values]
+    plain_tag, plain = codec.pack_log_probs(values)
+    if len(plain) < codec.MIN_DEFLATE_BYTES:
+        assert (tag, stored) == (plain_tag, plain)
+    else:
+        assert tag == {codec.LOGPROB_F32: "f4pz", codec.LOGPROB_F64: "f8pz"}[plain_tag]
+
+
+def test_vocabulary_ids_and_sampler_log_probs_take_less_room() -> None:
+    """Ids of a 151k vocabulary leave the high byte planes nearly constant, and so do the sign
+    and exponent bytes of float32 log-probs: the stored forms are smaller than the raw arrays."""
+    import random
+    from array import array
+
+    rng = random.Random(7)
+    ids = codec.pack_ids([rng.randrange(151_000) for _ in range(500)])
+    tag, stored, _ = codec.store_ids(ids, b"")
+    assert tag == codec.IDS_PLANES and len(stored) < 0.7 * len(ids)
+    lps = array("f", [-rng.expovariate(1.5) for _ in range(300)]).tolist()
+    tag, stored = codec.store_log_probs(lps)
+    assert tag == codec.LOGPROB_F32_PLANES and len(stored) < 0.9 * 4 * len(lps)
+
+
+def test_incompressible_ids_cost_at_most_a_few_bytes_more() -> None:
+    import random
+
+    rng = random.Random(3)
+    ids = codec.pack_ids([rng.randrange(-(2**31), 2**31) for _ in range(400)])
+    tag, stored, _ = codec.store_ids(ids, b"")
+    assert tag == codec.IDS_PLANES and len(stored) <= len(ids) + 32
+    assert codec.load_ids(tag, stored) == ids
+
+
+def test_unknown_or_damaged_stored_arrays_are_refused() -> None:
+    with pytest.raises(InvalidRecord):
+        codec.load_ids("i9xx", b"")
+    with pytest.raises(InvalidRecord):
+        codec.load_ids(codec.IDS_PLANES, b"\xff\xfe not deflate")
+    with pytest.raises(InvalidRecord):
+        codec.unpack_log_probs(codec.LOGPROB_F32_PLANES, b"\x00\x01")
+    # A valid stream of 6 bytes is not a whole number of int32 values.
+    import zlib
+
+    z = zlib.compressobj(1, zlib.DEFLATED, -15)
+    with pytest.raises(InvalidRecord):
+        codec.load_ids(codec.IDS_PLANES, z.compress(b"abcdef") + z.flush())

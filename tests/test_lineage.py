@@ -46,14 +46,14 @@ async def stored_prompt(led: Ledger, rollout_id: str, call_id: str) -> tuple[lis
         row = (
             await conn.execute(
                 sa.text(
-                    "SELECT t.prompt_ids, c.prompt_is_delta FROM call_tokens t "
+                    "SELECT t.prompt_ids, c.prompt_is_delta, t.ids_codec FROM call_tokens t "
                     "JOIN calls c ON c.id = t.call_id "
                     "WHERE c.rollout_id = :r AND c.model_call_id = :c"
                 ),
                 {"r": rollout_id, "c": call_id},
             )
         ).one()
-    return codec.unpack_ids(row[0]), bool(row[1])
+    return codec.unpack_ids(codec.load_ids(row[2], row[0])), bool(row[1])
 
 
 async def test_parent_is_the_longest_cumulative_prefix(ledger: Ledger, rid: Rid) -> None:

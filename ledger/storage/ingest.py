@@ -88,6 +88,21 @@ class Prepared:
     hasher: PrefixHasher
     cumulative_state: Any
     extra: dict[str, Any] = field(default_factory=dict)
+    # Stored encodings made before the transaction: the generation's, and the prompt's from the
+    # byte offset its likely delta starts at (the remembered tip's end; 0 for a full prompt).
+    generation_stored: bytes = b""
+    prompt_stored: tuple[int, bytes] = (-1, b"")
+
+    def stored_ids(self, prompt: bytes) -> tuple[str, bytes, bytes]:
+        """``(ids_codec, prompt, generation)`` as stored, for the stored prompt ``prompt`` (the
+        whole prompt or its suffix); reuses the encodings :func:`prepare` made."""
+        if len(prompt) + len(self.generation) < codec.MIN_DEFLATE_BYTES:
+            return codec.IDS_TAG, prompt, self.generation
+        offset, encoded = self.prompt_stored
+        if offset != len(self.prompt) - len(prompt):
+            encoded = codec.deflate_planes(prompt, 4)
+        generation = self.generation_stored or codec.deflate_planes(self.generation, 4)
+        return codec.IDS_PLANES, encoded, generation
 
     @property
     def base(self) -> Tip | None:
@@ -127,7 +142,8 @@ def prepare_delta(entry: TokenEntry, tips: TipCache) -> Prepared | None:
 
 
 def _prepared(entry: TokenEntry, prompt: bytes, generation: bytes, base: Tip | None) -> Prepared:
-    lp_codec, log_probs = codec.pack_log_probs(entry.generation_log_probs)
+    lp_codec, log_probs = codec.store_log_probs(entry.generation_log_probs)
+    offset = len(base.cumulative) if base is not None else 0
     hasher = PrefixHasher(prompt, base)
     plen = len(prompt) // 4
     state = hasher.state_at(plen)
@@ -146,6 +162,8 @@ def _prepared(entry: TokenEntry, prompt: bytes, generation: bytes, base: Tip | N
         hasher=hasher,
         cumulative_state=state,
         extra=entry.extra_fields(),
+        generation_stored=codec.deflate_planes(generation, 4),
+        prompt_stored=(offset, codec.deflate_planes(prompt[offset:], 4)),
     )
 
 
@@ -289,13 +307,14 @@ def put_steps(
         request_fingerprint or None,
         continuation_fingerprint or None,
     )
+    ids_codec, prompt_blob, generation_blob = prep.stored_ids(stored_prompt)
     tokens = (
-        codec.IDS_TAG,
+        ids_codec,
         prep.lp_codec,
         len(stored_prompt) // 4,
         glen,
-        stored_prompt,
-        prep.generation,
+        prompt_blob,
+        generation_blob,
         prep.log_probs,
         _json(e.routed_experts),
     )
@@ -433,7 +452,9 @@ def _verified(hasher: PrefixHasher, tied: Sequence[Any]) -> Steps:
     seen = tip is not None and tip.pk == pk and tip.digest == win[3] and tip.cumulative_len == n
     if not seen:
         rows = yield ("generation_of", (pk,))
-        if not rows or hasher.packed[(n - glen) * 4 : n * 4] != bytes(rows[0][0]):
+        if not rows or hasher.packed[(n - glen) * 4 : n * 4] != codec.load_ids(
+            rows[0][1], rows[0][0]
+        ):
             return None
     method = "identical_retry" if len(tied) > 1 else "token_prefix"
     return Parent(pk, str(win[1]), n, method)
@@ -473,8 +494,8 @@ def _rebuild(model_call_id: str, chain: Sequence[Any]) -> bytes:
         raise InvalidRecord(f"call {model_call_id!r} cannot be reconstructed: no full record")
     buf = bytearray()
     for r in chain:
-        buf += r[3]
-        buf += r[4]
+        buf += codec.load_ids(r[5], r[3])
+        buf += codec.load_ids(r[5], r[4])
     data = bytes(buf)
     if codec.token_digest(data) != chain[-1][2]:
         raise InvalidRecord(f"call {model_call_id!r} does not match its cumulative digest")

@@ -69,8 +69,11 @@ class LineageOps(LedgerCore):
         """Check the winner's sampled tokens byte-for-byte (the digest covers the rest)."""
         win = tied[0]
         best = win.cumulative_len
-        gen = conn.execute(queries.generation_ids(win.id)).scalar_one_or_none()
-        if gen is None or prompt[(best - win.generation_len) * 4 : best * 4] != gen:
+        row = conn.execute(queries.generation_ids(win.id)).one_or_none()
+        if row is None:
+            return None
+        gen = codec.load_ids(row.ids_codec, row.generation_ids)
+        if prompt[(best - win.generation_len) * 4 : best * 4] != gen:
             return None
         method = "identical_retry" if len(tied) > 1 else "token_prefix"
         return _Parent(win.id, win.model_call_id, best, method)
@@ -91,8 +94,8 @@ class LineageOps(LedgerCore):
             raise InvalidRecord(f"call {model_call_id!r} cannot be reconstructed: no full record")
         buf = bytearray()
         for r in rows:
-            buf += r.prompt_ids
-            buf += r.generation_ids
+            buf += codec.load_ids(r.ids_codec, r.prompt_ids)
+            buf += codec.load_ids(r.ids_codec, r.generation_ids)
         data = bytes(buf)
         if codec.token_digest(data) != rows[-1].cumulative_digest:
             raise InvalidRecord(f"call {model_call_id!r} does not match its cumulative digest")

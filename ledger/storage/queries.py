@@ -213,8 +213,10 @@ def parent_candidates_matching(rollout_id: str, digests: Mapping[int, str]) -> s
 
 
 def generation_ids(call_pk: int) -> sa.Select[Any]:
-    """A call's packed generated ids (no row: its payload was deleted)."""
-    return sa.select(call_tokens.c.generation_ids).where(call_tokens.c.call_id == call_pk)
+    """A call's stored generated ids and their codec (no row: its payload was deleted)."""
+    return sa.select(call_tokens.c.generation_ids, call_tokens.c.ids_codec).where(
+        call_tokens.c.call_id == call_pk
+    )
 
 
 def ancestry(rollout_id: str, model_call_id: str, *, to_anchor: bool) -> sa.Select[Any]:
@@ -247,6 +249,7 @@ def ancestry(rollout_id: str, model_call_id: str, *, to_anchor: bool) -> sa.Sele
             calls.c.cumulative_digest,
             calls.c.output_items,
             calls.c.token_item_index,
+            call_tokens.c.ids_codec,
             call_tokens.c.prompt_ids,
             call_tokens.c.generation_ids,
             call_tokens.c.log_probs,

@@ -265,14 +265,15 @@ def _entries_from_rows(rows: Sequence[Any]) -> tuple[list[TokenEntry], list[tupl
     entries: list[TokenEntry] = []
     broken: list[tuple[str, str]] = []
     for r in rows:
-        prompt = r.prompt_ids
+        prompt = codec.load_ids(r.ids_codec, r.prompt_ids)
+        generation = codec.load_ids(r.ids_codec, r.generation_ids)
         if r.prompt_is_delta:
             base = cumulative.get(r.parent_call_id)
             if base is None:
                 broken.append((r.model_call_id, f"parent {r.parent_call_id!r} unavailable"))
                 continue
             prompt = base + prompt
-        full = prompt + r.generation_ids
+        full = prompt + generation
         if codec.token_digest(full) != r.cumulative_digest:
             broken.append((r.model_call_id, "cumulative digest mismatch"))
             continue
@@ -285,7 +286,7 @@ def _entries_from_rows(rows: Sequence[Any]) -> tuple[list[TokenEntry], list[tupl
                     "model_call_id": r.model_call_id,
                     "model": r.model,
                     "prompt_token_ids": codec.unpack_ids(prompt),
-                    "generation_token_ids": codec.unpack_ids(r.generation_ids),
+                    "generation_token_ids": codec.unpack_ids(generation),
                     "generation_log_probs": codec.unpack_log_probs(r.log_prob_codec, r.log_probs),
                     "routed_experts": r.routed_experts,
                     "output_items": r.output_items or [],
@@ -315,22 +316,25 @@ def _replay_chain(rows: Sequence[Any]) -> list[ChainLinkTokens]:
     for i, r in enumerate(rows):
         if i == 0 and r.prompt_is_delta:
             raise InvalidRecord(f"chain root {r.model_call_id!r} stores only a delta prompt")
+        prompt = codec.load_ids(r.ids_codec, r.prompt_ids)
+        generation = codec.load_ids(r.ids_codec, r.generation_ids)
+        suffix: bytes | memoryview
         if r.prompt_is_delta:
-            suffix = r.prompt_ids
+            suffix = prompt
         else:
-            if len(r.prompt_ids) < done * 4:
+            if len(prompt) < done * 4:
                 raise InvalidRecord(f"call {r.model_call_id!r} does not extend its parent")
-            suffix = memoryview(r.prompt_ids)[done * 4 :]
+            suffix = memoryview(prompt)[done * 4 :]
         running.update(suffix)
-        running.update(r.generation_ids)
-        done += (len(suffix) + len(r.generation_ids)) // 4
+        running.update(generation)
+        done += (len(suffix) + len(generation)) // 4
         if done != r.cumulative_len or running.hexdigest() != r.cumulative_digest:
             raise InvalidRecord(f"call {r.model_call_id!r} does not match its cumulative digest")
         links.append(
             ChainLinkTokens(
                 model_call_id=r.model_call_id,
                 prompt_suffix=codec.unpack_ids(bytes(suffix)),
-                generation_token_ids=codec.unpack_ids(r.generation_ids),
+                generation_token_ids=codec.unpack_ids(generation),
                 generation_log_probs=codec.unpack_log_probs(r.log_prob_codec, r.log_probs),
                 output_items=list(r.output_items or []),
                 token_item_index=r.token_item_index,
@@ -364,6 +368,7 @@ def _chain_query() -> Any:
             C.c.cumulative_digest,
             C.c.output_items,
             C.c.token_item_index,
+            T.c.ids_codec,
             T.c.prompt_ids,
             T.c.generation_ids,
             T.c.log_probs,

@@ -128,7 +128,7 @@ _ALL = [
     _stmt(
         "generation_of",
         "A call's generated ids (the parent's sampled tokens, checked byte for byte).",
-        "SELECT generation_ids FROM call_tokens WHERE call_id = ?",
+        "SELECT generation_ids, ids_codec FROM call_tokens WHERE call_id = ?",
     ),
     _stmt(
         "record_over_intent",
@@ -176,7 +176,7 @@ _ALL = [
              WHERE p.rollout_id = ? AND chain.prompt_is_delta AND chain.depth < 1000000
            )
            SELECT c.model_call_id, c.prompt_is_delta, c.cumulative_digest, t.prompt_ids,
-                  t.generation_ids
+                  t.generation_ids, t.ids_codec
            FROM chain JOIN calls c ON c.id = chain.id JOIN call_tokens t ON t.call_id = c.id
            ORDER BY chain.depth DESC""",
     ),
