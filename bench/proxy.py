@@ -20,7 +20,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,8 +65,11 @@ def sim_command(port: int, gen_tokens: int) -> list[str]:
 class ServerProcess:
     """A child process serving HTTP on loopback, ready once ``health`` answers 200."""
 
-    def __init__(self, argv: list[str], port: int, health: str, log: Path) -> None:
+    def __init__(
+        self, argv: list[str], port: int, health: str, log: Path, root: Path = ROOT
+    ) -> None:
         self.argv, self.port, self.health, self.log = argv, port, health, log
+        self.root = root  # the source tree the child imports (another checkout: "before")
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -75,10 +78,10 @@ class ServerProcess:
 
     def start(self, timeout: float = 90.0) -> ServerProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_LEDGER_")}
-        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+        env["PYTHONPATH"] = str(self.root) + os.pathsep + env.get("PYTHONPATH", "")
         with self.log.open("wb") as out:
             self.proc = subprocess.Popen(
-                self.argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT
+                self.argv, cwd=self.root, env=env, stdout=out, stderr=subprocess.STDOUT
             )
         deadline = time.monotonic() + timeout
         while True:
@@ -329,3 +332,117 @@ async def overhead(
             "overhead_p50_ms": summarize(proxied)["p50"] - summarize(direct)["p50"],
         }
     return out
+
+
+def bare_command(port: int, upstream: str) -> list[str]:
+    """The bare pass-through proxy (``bench.bareproxy``): the anchor the ledger is held to."""
+    return [sys.executable, "-m", "bench.bareproxy", "--port", str(port), "--upstream", upstream]
+
+
+async def compare_overhead(
+    tmp: Path,
+    db_url: Callable[[str], Awaitable[str]],
+    *,
+    samples: int,
+    prompt_tokens: int = 16_000,
+    tool_tokens: int = 200,
+    before: Path | None = None,
+) -> dict[str, Any]:
+    """Proxy overhead of the bare pass-through proxy and of ``rollout-ledger serve`` (and, with
+    ``before``, of ``serve`` from that other source tree), each against the same simulated
+    upstream, in this one run.  ``db_url(label)`` gives a fresh migrated database per server.
+    ``above_bare_<step>_ms``: p50 through the ledger minus p50 through the bare proxy."""
+    kinds = ["bare", *(["before"] if before is not None else []), "ledger"]
+    out: dict[str, Any] = {}
+    sim_port = free_port()
+    sim = ServerProcess(sim_command(sim_port, 300), sim_port, "/health", tmp / "sim.log")
+    with running(sim):
+        for kind in kinds:
+            port = free_port()
+            if kind == "bare":
+                argv = bare_command(port, sim.url)
+            else:
+                argv = serve_command(await db_url(kind), sim.url, port)
+            root = before if kind == "before" and before is not None else ROOT
+            srv = ServerProcess(argv, port, "/healthz", tmp / f"{kind}.log", root=root)
+            with running(srv):
+                res = await overhead(
+                    srv.url,
+                    sim.url,
+                    samples=samples,
+                    prompt_tokens=prompt_tokens,
+                    tool_tokens=tool_tokens,
+                    prefix=f"o{kind}",
+                )
+            out[kind] = res
+            print(
+                f"proxy {kind}: overhead p50 root {res['root']['overhead_p50_ms']:.1f} ms, "
+                f"continuation {res['continuation']['overhead_p50_ms']:.1f} ms",
+                file=sys.stderr,
+                flush=True,
+            )
+    for kind in kinds[1:]:
+        for step in ("root", "continuation"):
+            key = "above_bare" if kind == "ledger" else f"{kind}_above_bare"
+            out[f"{key}_{step}_ms"] = (
+                out[kind][step]["proxy_ms"]["p50"] - out["bare"][step]["proxy_ms"]["p50"]
+            )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.proxy``: the proxy-overhead comparison alone (SQLite ledger)."""
+    import argparse
+    import shutil
+    import tempfile
+
+    from bench.dbs import DbFactory
+
+    ap = argparse.ArgumentParser(prog="python -m bench.proxy", description=main.__doc__)
+    ap.add_argument("--samples", type=int, default=10)
+    ap.add_argument("--prompt-tokens", type=int, default=16_000)
+    ap.add_argument(
+        "--before", type=Path, default=None, help="also run `serve` from this source tree"
+    )
+    ap.add_argument("--out", type=Path, default=None, help="write the figures here (JSON)")
+    args = ap.parse_args(argv)
+
+    async def run() -> dict[str, Any]:
+        tmp = Path(tempfile.mkdtemp(prefix="rl_proxy_"))
+        dbs = DbFactory(tmp)
+        try:
+
+            async def db_url(label: str) -> str:
+                return (await dbs.create("sqlite", label)).url
+
+            return await compare_overhead(
+                tmp,
+                db_url,
+                samples=args.samples,
+                prompt_tokens=args.prompt_tokens,
+                before=args.before,
+            )
+        finally:
+            await dbs.cleanup()
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    out = asyncio.run(run())
+    for key, value in out.items():
+        if key.endswith("_ms"):
+            print(f"{key}: {value:.2f}")
+    for kind in ("bare", "before", "ledger"):
+        if kind in out:
+            for step in ("root", "continuation"):
+                r = out[kind][step]
+                print(
+                    f"{kind} {step}: n={r['samples']} prompt={r['prompt_tokens']} "
+                    f"direct p50 {r['direct_ms']['p50']:.2f} proxy p50 {r['proxy_ms']['p50']:.2f} "
+                    f"overhead {r['overhead_p50_ms']:.2f} ms"
+                )
+    if args.out is not None:
+        args.out.write_text(json.dumps(out, indent=1, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
