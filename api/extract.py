@@ -387,7 +387,10 @@ def _token_ids(tokens: Sequence[Any]) -> list[int] | None:
         raise MalformedTokenPayload(
             f"log-prob token {position} is {tokens[position]!r}, not token_id:N, while others are"
         )
-    return parsed
+    try:  # the same rules as inline ids (token_id:N is never negative, but may be too large)
+        return check_token_ids(parsed, "logprobs token_id:N")
+    except ValueError as exc:
+        raise MalformedTokenPayload(str(exc)) from None
 
 
 def _id_list(value: Any, where: str) -> list[int] | None:

@@ -12,6 +12,7 @@ What differs by dialect comes from the call's ``DialectHandler`` (``api.proxy.ha
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import logging
@@ -48,7 +49,10 @@ from api.proxy.reply import custody_failure, error_response, harness_answer, unr
 from ledger.config import Settings
 from ledger.errors import LedgerError, RolloutFrozen
 from ledger.fingerprint import continuation_fingerprint, model_authored_fingerprint
+from ledger.ids import MAX_CALL_ID_LEN, is_valid_id
+from ledger.records import TokenEntry
 from ledger.store import Ledger
+from ledger.token_rules import MAX_CREATED_AT
 
 log = logging.getLogger("rollout_ledger.proxy")
 
@@ -135,8 +139,12 @@ async def capture(
         unproven = await _prove_prefix(ledger, ctx, plan, answer, upstream)
         if unproven is not None:
             return unproven
-    stripped = await _record(request, ctx, upstream, answer, ledger, metrics)
-    await _settle_retried(ledger, ctx)
+    # The record and the cancelling of earlier failed attempts of this same request (a read
+    # when there are none, the common case) are independent: both finish before the answer,
+    # side by side rather than one after the other.
+    stripped, _ = await asyncio.gather(
+        _record(request, ctx, upstream, answer, ledger, metrics), _settle_retried(ledger, ctx)
+    )
     try:
         response = harness_answer(handler, upstream, stripped.harness_body, body)
     except Exception as exc:  # a 200 without a usable choice: an upstream error, not ours
@@ -377,7 +385,7 @@ async def _record(
         cont = ""
     try:
         result = await ledger.put(
-            record,
+            _checked_entry(record),
             route=ctx.route,
             request_fingerprint=ctx.request_fingerprint,
             continuation_fingerprint=cont,
@@ -451,6 +459,29 @@ def _entry(
         entry["prompt_source"] = "tokenize"
     entry.update(ctx.record_extra)
     return entry
+
+
+def _checked_entry(record: dict[str, Any]) -> TokenEntry | dict[str, Any]:
+    """The record as a ``TokenEntry``, without pydantic checking again what the extractor just
+    checked with the same rules (``ledger.token_rules``: token ids, log-probs, their lengths).
+
+    A record is validated once: the fields the extractor does not produce (ids, time, item
+    index) are checked here, in O(1); a record that fails any of them goes to ``put`` as a
+    dict, whose full validation then refuses it with the ledger's own error.  Validating a
+    16k-token record again costs milliseconds on the answer path."""
+    index = record["token_item_index"]
+    created = record["created_at"]
+    if not (
+        is_valid_id(record["rollout_id"])
+        and is_valid_id(record["model_call_id"], MAX_CALL_ID_LEN)
+        and len(record["generation_token_ids"]) == len(record["generation_log_probs"])
+        and (index is None or 0 <= index < len(record["output_items"]))
+        and isinstance(created, float)
+        and 0.0 <= created <= MAX_CREATED_AT
+        and isinstance(record["prompt_token_ids"], list)
+    ):
+        return record
+    return TokenEntry.model_construct(**record)
 
 
 async def count_tokens(request: Request) -> Response:

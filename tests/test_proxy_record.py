@@ -1,0 +1,136 @@
+"""The record the capture proxy hands the ledger: validated once.
+
+The extractor checks token ids and log-probs with the ledger's own rules (``ledger.token_rules``),
+so the proxy builds its ``TokenEntry`` without pydantic checking them again; these tests pin that
+the entry it builds is the one full validation builds, and that whatever the extractor did not
+check goes through full validation (and so is refused the same way).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+
+from api.extract import (
+    MalformedTokenPayload,
+    extract_chat_tokens,
+    extract_completion_tokens,
+    strip_chat_response,
+)
+from api.proxy.capture import _checked_entry
+from ledger.records import TokenEntry
+from tests.support.vllm import vllm_chat_answer
+
+PROMPT = [1, 9690, 198, 2683, 359, 2, 198, 1, 520, 9531, 198]
+GENERATION = [19556, 30, 2]
+LOG_PROBS = [-2.19, -1.53, -0.35]
+
+
+def _record(payload: Any, items: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+    """The dict ``api.proxy.capture._entry`` builds (same keys, same kinds of values)."""
+    record = {
+        "schema_version": 1,
+        "rollout_id": "roll-1",
+        "model_call_id": "0123456789abcdef0123456789abcdef",
+        "model": "smol",
+        "prompt_token_ids": payload.prompt_token_ids,
+        "generation_token_ids": payload.generation_token_ids,
+        "generation_log_probs": payload.generation_log_probs,
+        "routed_experts": payload.routed_experts,
+        "output_items": items,
+        "token_item_index": len(items) - 1 if items else None,
+        "created_at": 1795940059.25,
+        "response_id": "chatcmpl-1",
+    }
+    record.update(extra)
+    return record
+
+
+def _same_as_validated(record: dict[str, Any]) -> TokenEntry:
+    built = _checked_entry(record)
+    assert isinstance(built, TokenEntry)
+    validated = TokenEntry.model_validate(record)
+    assert built.model_dump() == validated.model_dump()
+    assert built.__pydantic_extra__ == validated.__pydantic_extra__
+    for name in ("prompt_token_ids", "generation_token_ids"):
+        assert built.packed_ids(name) == validated.packed_ids(name)
+    assert built.extra_fields() == validated.extra_fields()
+    return built
+
+
+def test_a_chat_record_is_the_entry_full_validation_builds() -> None:
+    answer = vllm_chat_answer(
+        "Hello.", GENERATION, log_probs=LOG_PROBS, finish_reason="stop", prompt_ids=PROMPT
+    )
+    payload = extract_chat_tokens(answer)
+    items = strip_chat_response(answer, keep_logprobs=False).output_items
+    _same_as_validated(_record(payload, items))
+    # Prefix supply's extra fields (a 0.7.0 lineage flag and an unknown extra) are kept alike.
+    entry = _same_as_validated(
+        _record(payload, items, prefix_requested=True, prefix_context_digest="ab" * 32)
+    )
+    assert entry.prefix_requested is True
+
+
+def test_a_completion_record_with_minus_infinity_is_the_same_entry() -> None:
+    answer = {
+        "id": "cmpl-1",
+        "model": "smol",
+        "choices": [
+            {
+                "index": 0,
+                "text": "Hello.",
+                "logprobs": {
+                    "tokens": [f"token_id:{i}" for i in GENERATION],
+                    "token_logprobs": [-2.19, "-Infinity", -0.35],
+                },
+                "finish_reason": "stop",
+                "token_ids": GENERATION,
+                "prompt_token_ids": PROMPT,
+            }
+        ],
+    }
+    payload = extract_completion_tokens(answer)
+    assert math.isinf(payload.generation_log_probs[1])
+    _same_as_validated(_record(payload, [{"type": "message", "role": "assistant"}]))
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"rollout_id": "bad id\n"},
+        {"model_call_id": ""},
+        {"token_item_index": 5},
+        {"created_at": math.nan},
+        {"created_at": 1e308},
+        {"generation_log_probs": [-1.0]},
+    ],
+)
+def test_what_the_extractor_did_not_check_gets_full_validation(change: dict[str, Any]) -> None:
+    answer = vllm_chat_answer(
+        "Hello.", GENERATION, log_probs=LOG_PROBS, finish_reason="stop", prompt_ids=PROMPT
+    )
+    payload = extract_chat_tokens(answer)
+    record = _record(payload, [{"type": "message"}], **change)
+    assert _checked_entry(record) is record  # a dict: ``put`` validates it and refuses it
+    with pytest.raises(ValueError):
+        TokenEntry.model_validate(record)
+
+
+def test_logprob_token_ids_beyond_int32_are_malformed() -> None:
+    answer = {
+        "id": "cmpl-1",
+        "model": "smol",
+        "choices": [
+            {
+                "index": 0,
+                "text": "x",
+                "logprobs": {"tokens": [f"token_id:{2**31}"], "token_logprobs": [-0.5]},
+                "finish_reason": "stop",
+            }
+        ],
+    }
+    with pytest.raises(MalformedTokenPayload, match="int32"):
+        extract_completion_tokens(answer)
