@@ -347,6 +347,7 @@ async def compare_overhead(
     prompt_tokens: int = 16_000,
     tool_tokens: int = 200,
     before: Path | None = None,
+    warmup: int = 3,
 ) -> dict[str, Any]:
     """Proxy overhead of the bare pass-through proxy and of ``rollout-ledger serve`` (and, with
     ``before``, of ``serve`` from that other source tree), each against the same simulated
@@ -366,6 +367,8 @@ async def compare_overhead(
             root = before if kind == "before" and before is not None else ROOT
             srv = ServerProcess(argv, port, "/healthz", tmp / f"{kind}.log", root=root)
             with running(srv):
+                assert srv.proc is not None
+                cpu0 = _cpu_seconds({"server": srv.proc.pid})
                 res = await overhead(
                     srv.url,
                     sim.url,
@@ -373,11 +376,18 @@ async def compare_overhead(
                     prompt_tokens=prompt_tokens,
                     tool_tokens=tool_tokens,
                     prefix=f"o{kind}",
+                    warmup=warmup,
                 )
+                cpu1 = _cpu_seconds({"server": srv.proc.pid})
+            calls = 2 * (samples + warmup)  # a root and a continuation per rollout
+            # CPU time of the proxy process per proxied call (all its threads): less sensitive
+            # to a loaded machine than the latencies.
+            res["server_cpu_ms_per_call"] = (cpu1["server"] - cpu0["server"]) * 1e3 / calls
             out[kind] = res
             print(
                 f"proxy {kind}: overhead p50 root {res['root']['overhead_p50_ms']:.1f} ms, "
-                f"continuation {res['continuation']['overhead_p50_ms']:.1f} ms",
+                f"continuation {res['continuation']['overhead_p50_ms']:.1f} ms; server CPU "
+                f"{res['server_cpu_ms_per_call']:.1f} ms/call",
                 file=sys.stderr,
                 flush=True,
             )

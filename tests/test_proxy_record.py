@@ -12,15 +12,20 @@ import math
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from api.extract import (
     MalformedTokenPayload,
+    _id_list,
+    _plain_ids,
     extract_chat_tokens,
     extract_completion_tokens,
     strip_chat_response,
 )
 from api.proxy.capture import _checked_entry
 from ledger.records import TokenEntry
+from ledger.token_rules import check_token_ids
 from tests.support.vllm import vllm_chat_answer
 
 PROMPT = [1, 9690, 198, 2683, 359, 2, 198, 1, 520, 9531, 198]
@@ -134,3 +139,35 @@ def test_logprob_token_ids_beyond_int32_are_malformed() -> None:
     }
     with pytest.raises(MalformedTokenPayload, match="int32"):
         extract_completion_tokens(answer)
+
+
+_ITEMS = st.one_of(
+    st.integers(min_value=0, max_value=2**31 + 5),
+    st.integers(min_value=-(2**40), max_value=2**70),
+    st.sampled_from([True, False, None, 7.0, "7", -0, 10**9 - 1, 10**9, 2**31 - 1, 2**31]),
+    st.lists(st.integers(0, 5), max_size=2),
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(_ITEMS, max_size=12))
+def test_the_fast_id_check_accepts_only_what_the_token_rules_accept(ids: list[Any]) -> None:
+    try:
+        check_token_ids(ids, "ids")
+    except ValueError:
+        allowed = False
+    else:
+        allowed = True
+    if _plain_ids(ids):
+        assert allowed
+    if allowed:
+        assert _id_list(ids, "ids") == ids
+    else:
+        with pytest.raises(MalformedTokenPayload):
+            _id_list(ids, "ids")
+
+
+def test_the_fast_id_check_takes_long_plain_prompts() -> None:
+    ids = [(i * 7919) % 151_000 for i in range(16_000)]
+    assert _plain_ids(ids) and _plain_ids([]) and _plain_ids([999_999_999])
+    assert not _plain_ids([*ids, True]) and not _plain_ids([1, -1]) and not _plain_ids([2**31])
