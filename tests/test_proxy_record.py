@@ -8,13 +8,16 @@ check goes through full validation (and so is refused the same way).
 
 from __future__ import annotations
 
+import gc
 import math
+from pathlib import Path
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from api.app import create_app
 from api.extract import (
     MalformedTokenPayload,
     _id_list,
@@ -24,6 +27,8 @@ from api.extract import (
     strip_chat_response,
 )
 from api.proxy.capture import _checked_entry
+from ledger import migrate
+from ledger.config import load_settings
 from ledger.records import TokenEntry
 from ledger.token_rules import check_token_ids
 from tests.support.vllm import vllm_chat_answer
@@ -171,3 +176,19 @@ def test_the_fast_id_check_takes_long_plain_prompts() -> None:
     ids = [(i * 7919) % 151_000 for i in range(16_000)]
     assert _plain_ids(ids) and _plain_ids([]) and _plain_ids([999_999_999])
     assert not _plain_ids([*ids, True]) and not _plain_ids([1, -1]) and not _plain_ids([2**31])
+
+
+async def test_serve_moves_the_started_heap_out_of_the_collectors_way(tmp_path: Path) -> None:
+    url = f"sqlite+aiosqlite:///{tmp_path / 'gc.db'}"
+    migrate.upgrade(url)
+    settings = load_settings(db=url)
+    assert gc.get_freeze_count() == 0
+    plain = create_app(settings)
+    async with plain.router.lifespan_context(plain):
+        assert gc.get_freeze_count() == 0  # tests and embedders: nothing frozen
+    served = create_app(settings, freeze_gc=True)
+    try:
+        async with served.router.lifespan_context(served):
+            assert gc.get_freeze_count() > 1000  # the started heap
+    finally:
+        gc.unfreeze()
