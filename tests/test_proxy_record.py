@@ -26,7 +26,7 @@ from api.extract import (
     extract_completion_tokens,
     strip_chat_response,
 )
-from api.proxy.capture import _checked_entry
+from api.proxy.capture import _checked_entry, _token_count
 from ledger import migrate
 from ledger.config import load_settings
 from ledger.records import TokenEntry
@@ -192,3 +192,13 @@ async def test_serve_moves_the_started_heap_out_of_the_collectors_way(tmp_path: 
             assert gc.get_freeze_count() > 1000  # the started heap
     finally:
         gc.unfreeze()
+
+
+def test_the_token_count_that_sends_long_answers_to_a_worker_thread() -> None:
+    chat = vllm_chat_answer(
+        "Hello.", GENERATION, log_probs=LOG_PROBS, finish_reason="stop", prompt_ids=PROMPT
+    )
+    assert _token_count(chat) == len(PROMPT)
+    completion = {"choices": [{"prompt_token_ids": PROMPT, "token_ids": GENERATION}]}
+    assert _token_count(completion) == len(PROMPT)
+    assert _token_count({"choices": []}) == 0 and _token_count({"prompt_token_ids": None}) == 0

@@ -41,7 +41,7 @@ from api.extract import (
     tokenize_request_body,
     with_tokenized_prompt,
 )
-from api.limits import parse_json_body
+from api.limits import OFFLOAD_BYTES, OFFLOAD_TOKENS, parse_json_body
 from api.metrics import Metrics
 from api.proxy.handlers import HANDLERS, DialectHandler
 from api.proxy.headers import auth_headers, json_headers
@@ -233,7 +233,8 @@ async def _call_upstream(
         reply = d.upstream_error_reply(ctx.dialect, error)
         return error_response(reply, stream=upstream.stream, handler=ctx.handler)
     try:
-        answer = _loads(raw)
+        # A long context's answer is parsed in a worker thread (the event loop keeps serving).
+        answer = await asyncio.to_thread(_loads, raw) if len(raw) > OFFLOAD_BYTES else _loads(raw)
         if not isinstance(answer, dict):
             raise ValueError("not a JSON object")
     except ValueError as exc:
@@ -365,8 +366,12 @@ async def _record(
     chat = HANDLERS[upstream.dialect].chat_answer
     strip = strip_chat_response if chat else strip_completion_response
     stripped = strip(answer, keep_logprobs=upstream.keep_logprobs)
+    extract = extract_chat_tokens if chat else extract_completion_tokens
     try:
-        payload = (extract_chat_tokens if chat else extract_completion_tokens)(answer)
+        if _token_count(answer) > OFFLOAD_TOKENS:  # C-speed checks, but over long arrays
+            payload = await asyncio.to_thread(extract, answer)
+        else:
+            payload = extract(answer)
         if payload.needs_tokenize:
             payload = await _tokenize(request, upstream, payload, answer)
     except TokenExtractionError as exc:
@@ -408,6 +413,17 @@ async def _record(
             log.exception("record failed rollout=%s call=%s", ctx.rollout_id, ctx.model_call_id)
         await _settle(ledger, ctx, "capture_failed", f"{type(exc).__name__}: {exc}")
     return stripped
+
+
+def _token_count(answer: Mapping[str, Any]) -> int:
+    """About how many token ids an answer carries (its prompt ids, wherever the dialect puts
+    them); 0 when it carries none inline."""
+    ids = answer.get("prompt_token_ids")
+    if ids is None:
+        choices = answer.get("choices")
+        if isinstance(choices, list) and choices and isinstance(choices[0], Mapping):
+            ids = choices[0].get("prompt_token_ids")
+    return len(ids) if isinstance(ids, list) else 0
 
 
 def _as_response_items(stripped: StrippedResponse) -> StrippedResponse:
