@@ -9,6 +9,7 @@ check goes through full validation (and so is refused the same way).
 from __future__ import annotations
 
 import gc
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from api.app import create_app
+from api.dialects import InvalidRequest
 from api.extract import (
     MalformedTokenPayload,
     _id_list,
@@ -26,7 +28,7 @@ from api.extract import (
     extract_completion_tokens,
     strip_chat_response,
 )
-from api.proxy.capture import _checked_entry, _token_count
+from api.proxy.capture import _checked_entry, _json_bytes, _token_count
 from ledger import migrate
 from ledger.config import load_settings
 from ledger.records import TokenEntry
@@ -202,3 +204,14 @@ def test_the_token_count_that_sends_long_answers_to_a_worker_thread() -> None:
     completion = {"choices": [{"prompt_token_ids": PROMPT, "token_ids": GENERATION}]}
     assert _token_count(completion) == len(PROMPT)
     assert _token_count({"choices": []}) == 0 and _token_count({"prompt_token_ids": None}) == 0
+
+
+def test_the_upstream_body_is_the_stdlibs_compact_json_and_refuses_the_same_values() -> None:
+    body = {"model": "smol", "messages": [{"role": "user", "content": "héllo ✓"}], "n": None}
+    assert _json_bytes(body) == json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode(
+        "utf-8"
+    )
+    assert _json_bytes({1: "a"}) == b'{"1":"a"}'  # a non-string key: the stdlib's text
+    for bad in ({"temperature": math.nan}, {"x": [math.inf]}, {"content": "\ud800"}):
+        with pytest.raises(InvalidRequest):
+            _json_bytes(bad)

