@@ -127,10 +127,6 @@ class _GuardedH11(_ReadDeadlines, H11Protocol):
             self._disarm()
 
 
-class _HeadTooLarge(Exception):
-    """Raised from a parser callback: httptools reports it as a parser error (a 400)."""
-
-
 def guarded_h11(header_timeout_s: float, body_timeout_s: float) -> type[H11Protocol]:
     """An h11 protocol class with the given read deadlines."""
     return type(
@@ -185,7 +181,9 @@ def guarded_httptools(header_timeout_s: float, body_timeout_s: float) -> type[An
         def _count_head(self, n: int) -> None:
             self._head_bytes += n
             if self._head_bytes > MAX_HEAD_BYTES:
-                raise _HeadTooLarge("request line and headers exceed the limit")
+                # Raised in a parser callback: httptools reports it as a parser error, which
+                # uvicorn answers with 400 and a close (as h11 does beyond its limit).
+                raise ValueError("request line and headers exceed the limit")
 
     return type(
         "GuardedHttpTools",
