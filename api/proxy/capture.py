@@ -148,9 +148,16 @@ async def capture(
     # The record and the cancelling of earlier failed attempts of this same request (a read
     # when there are none, the common case) are independent: both finish before the answer,
     # side by side rather than one after the other.
-    stripped, _ = await asyncio.gather(
-        _record(request, ctx, upstream, answer, ledger, metrics), _settle_retried(ledger, ctx)
+    recorded, settled = await asyncio.gather(
+        _record(request, ctx, upstream, answer, ledger, metrics),
+        _settle_retried(ledger, ctx),
+        return_exceptions=True,  # each runs to its end before anything is raised
     )
+    for outcome in (recorded, settled):
+        if isinstance(outcome, BaseException):
+            raise outcome
+    assert isinstance(recorded, StrippedResponse)
+    stripped = recorded
     try:
         response = harness_answer(handler, upstream, stripped.harness_body, body)
     except Exception as exc:  # a 200 without a usable choice: an upstream error, not ours
