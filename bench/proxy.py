@@ -269,7 +269,33 @@ async def overhead(
     the full prompt), then a continuation (tool output appended; the ledger proves the parent and
     stores the suffix).  Order within a pair alternates.  The direct request is the exact body
     the proxy sends upstream (capture fields added), so the upstream does the same work."""
-    rows: dict[str, list[dict[str, float]]] = {"root": [], "continuation": []}
+    out = await overhead_interleaved(
+        {prefix: proxy_url},
+        upstream_url,
+        samples=samples,
+        prompt_tokens=prompt_tokens,
+        tool_tokens=tool_tokens,
+        warmup=warmup,
+    )
+    return out[prefix]
+
+
+async def overhead_interleaved(
+    proxies: dict[str, str],
+    upstream_url: str,
+    *,
+    samples: int,
+    prompt_tokens: int,
+    tool_tokens: int,
+    warmup: int = 3,
+) -> dict[str, dict[str, Any]]:
+    """:func:`overhead` for several proxies (name -> URL) at once, interleaved: sample ``i``
+    runs one rollout through each proxy, in an order that rotates with ``i``, so a change in
+    the machine's load falls on every proxy alike (the machine is shared)."""
+    names = list(proxies)
+    rows: dict[str, dict[str, list[dict[str, float]]]] = {
+        name: {"root": [], "continuation": []} for name in names
+    }
     async with httpx.AsyncClient(timeout=300) as client:
 
         async def timed(url: str, raw: bytes) -> tuple[float, dict[str, Any]]:
@@ -280,9 +306,9 @@ async def overhead(
                 raise RuntimeError(f"{url}: {resp.status_code} {resp.text[:300]}")
             return dt, resp.json()
 
-        for i in range(-warmup, samples):
+        async def rollout(name: str, i: int) -> None:
             rng = random.Random(10_000 + i)
-            rid = f"{prefix}{i + warmup:04d}"
+            rid = f"{name}{i + warmup:04d}"
             messages: list[dict[str, Any]] = [
                 {"role": "system", "content": text(rng, prompt_tokens - 80)},
                 {"role": "user", "content": text(rng, 50)},
@@ -307,17 +333,26 @@ async def overhead(
                         pair["prompt_tokens"] = direct["usage"]["prompt_tokens"]
                     else:
                         pair["proxy_ms"], answer = await timed(
-                            _capture_url(proxy_url, rid), raw_proxy
+                            _capture_url(proxies[name], rid), raw_proxy
                         )
                 pair["overhead_ms"] = pair["proxy_ms"] - pair["direct_ms"]
                 if i >= 0:
-                    rows[step].append(pair)
+                    rows[name][step].append(pair)
                 content = answer["choices"][0]["message"].get("content") or ""
                 messages = [
                     *messages,
                     {"role": "assistant", "content": content},
                     {"role": "user", "content": text(rng, tool_tokens)},
                 ]
+
+        for i in range(-warmup, samples):
+            shift = i % len(names)
+            for name in names[shift:] + names[:shift]:
+                await rollout(name, i)
+    return {name: _overhead_summary(rows[name]) for name in names}
+
+
+def _overhead_summary(rows: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for step, pairs in rows.items():
         direct = [p["direct_ms"] for p in pairs]
@@ -351,13 +386,16 @@ async def compare_overhead(
 ) -> dict[str, Any]:
     """Proxy overhead of the bare pass-through proxy and of ``rollout-ledger serve`` (and, with
     ``before``, of ``serve`` from that other source tree), each against the same simulated
-    upstream, in this one run.  ``db_url(label)`` gives a fresh migrated database per server.
-    ``above_bare_<step>_ms``: p50 through the ledger minus p50 through the bare proxy."""
+    upstream, in this one run, interleaved (:func:`overhead_interleaved`).  ``db_url(label)``
+    gives a fresh migrated database per server.  ``above_bare_<step>_ms``: p50 through the
+    ledger minus p50 through the bare proxy."""
     kinds = ["bare", *(["before"] if before is not None else []), "ledger"]
     out: dict[str, Any] = {}
     sim_port = free_port()
     sim = ServerProcess(sim_command(sim_port, 300), sim_port, "/health", tmp / "sim.log")
-    with running(sim):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(running(sim))
+        servers: dict[str, ServerProcess] = {}
         for kind in kinds:
             port = free_port()
             if kind == "bare":
@@ -366,31 +404,31 @@ async def compare_overhead(
                 argv = serve_command(await db_url(kind), sim.url, port)
             root = before if kind == "before" and before is not None else ROOT
             srv = ServerProcess(argv, port, "/healthz", tmp / f"{kind}.log", root=root)
-            with running(srv):
-                assert srv.proc is not None
-                cpu0 = _cpu_seconds({"server": srv.proc.pid})
-                res = await overhead(
-                    srv.url,
-                    sim.url,
-                    samples=samples,
-                    prompt_tokens=prompt_tokens,
-                    tool_tokens=tool_tokens,
-                    prefix=f"o{kind}",
-                    warmup=warmup,
-                )
-                cpu1 = _cpu_seconds({"server": srv.proc.pid})
-            calls = 2 * (samples + warmup)  # a root and a continuation per rollout
-            # CPU time of the proxy process per proxied call (all its threads): less sensitive
-            # to a loaded machine than the latencies.
-            res["server_cpu_ms_per_call"] = (cpu1["server"] - cpu0["server"]) * 1e3 / calls
-            out[kind] = res
-            print(
-                f"proxy {kind}: overhead p50 root {res['root']['overhead_p50_ms']:.1f} ms, "
-                f"continuation {res['continuation']['overhead_p50_ms']:.1f} ms; server CPU "
-                f"{res['server_cpu_ms_per_call']:.1f} ms/call",
-                file=sys.stderr,
-                flush=True,
-            )
+            servers[kind] = stack.enter_context(running(srv))
+        pids = {kind: srv.proc.pid for kind, srv in servers.items() if srv.proc is not None}
+        cpu0 = _cpu_seconds(pids)
+        res = await overhead_interleaved(
+            {kind: srv.url for kind, srv in servers.items()},
+            sim.url,
+            samples=samples,
+            prompt_tokens=prompt_tokens,
+            tool_tokens=tool_tokens,
+            warmup=warmup,
+        )
+        cpu1 = _cpu_seconds(pids)
+    calls = 2 * (samples + warmup)  # a root and a continuation per rollout
+    for kind in kinds:
+        out[kind] = res[kind]
+        # CPU time of the proxy process per proxied call (all its threads): less sensitive
+        # to a loaded machine than the latencies.
+        out[kind]["server_cpu_ms_per_call"] = (cpu1[kind] - cpu0[kind]) * 1e3 / calls
+        print(
+            f"proxy {kind}: overhead p50 root {res[kind]['root']['overhead_p50_ms']:.1f} ms, "
+            f"continuation {res[kind]['continuation']['overhead_p50_ms']:.1f} ms; server CPU "
+            f"{out[kind]['server_cpu_ms_per_call']:.1f} ms/call",
+            file=sys.stderr,
+            flush=True,
+        )
     for kind in kinds[1:]:
         for step in ("root", "continuation"):
             key = "above_bare" if kind == "ledger" else f"{kind}_above_bare"
