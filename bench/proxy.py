@@ -4,6 +4,9 @@ on loopback, driven by raw httpx from the benchmark process.
 * :func:`load`: concurrent rollouts through the capture route (calls/s, latency, per turn);
 * :func:`overhead`: proxy round trip minus direct-upstream round trip for the same request
   (the body the proxy sends upstream, built by ``api.dialects.build_chat_upstream``);
+  :func:`overhead_interleaved` does it for several proxies sample by sample, and
+  :func:`compare_overhead` (``python -m bench.proxy``) for the bare pass-through proxy, the
+  ledger and optionally ``serve`` from another source tree (``--before DIR``), in one run;
 * :class:`RssSampler`: peak resident memory of the serve process while it works.
 """
 
@@ -31,7 +34,16 @@ from api.dialects import build_chat_upstream
 from bench.stats import summarize
 from bench.workload import ChatRollout, Workload, text
 
-__all__ = ["RssSampler", "ServerProcess", "load", "overhead", "serve_command", "sim_command"]
+__all__ = [
+    "RssSampler",
+    "ServerProcess",
+    "compare_overhead",
+    "load",
+    "overhead",
+    "overhead_interleaved",
+    "serve_command",
+    "sim_command",
+]
 
 ROOT = Path(__file__).resolve().parent.parent
 JSON = {"content-type": "application/json"}
