@@ -132,7 +132,7 @@ def _register(app: typer.Typer) -> None:
             f"http://{settings.host}:{settings.port}"
         )
         uvicorn.run(
-            create_app(settings),
+            create_app(settings, freeze_gc=True),
             host=settings.host,
             port=settings.port,
             log_level=log_level,

@@ -497,50 +497,10 @@ async def _proxy_overhead(args: argparse.Namespace, tmp: Path, dbs: DbFactory) -
     pass-through proxy, each against the same simulated upstream, in this run."""
     from bench import proxy
 
-    out: dict[str, Any] = {}
-    sim_port = proxy.free_port()
-    sim = proxy.ServerProcess(
-        proxy.sim_command(sim_port, 300), sim_port, "/health", tmp / "sim.log"
-    )
-    with proxy.running(sim):
-        db = await dbs.create("sqlite", "proxy")
-        for kind in ("bare", "ledger"):
-            port = proxy.free_port()
-            argv = (
-                [
-                    sys.executable,
-                    "-m",
-                    "bench.bareproxy",
-                    "--port",
-                    str(port),
-                    "--upstream",
-                    sim.url,
-                ]
-                if kind == "bare"
-                else proxy.serve_command(db.url, sim.url, port)
-            )
-            srv = proxy.ServerProcess(argv, port, "/healthz", tmp / f"{kind}.log")
-            with proxy.running(srv):
-                res = await proxy.overhead(
-                    srv.url,
-                    sim.url,
-                    samples=args.proxy_samples,
-                    prompt_tokens=16_000,
-                    tool_tokens=200,
-                    prefix=f"o{kind}",
-                )
-            out[kind] = res
-            print(
-                f"proxy {kind}: overhead p50 root {res['root']['overhead_p50_ms']:.1f} ms, "
-                f"continuation {res['continuation']['overhead_p50_ms']:.1f} ms",
-                file=sys.stderr,
-                flush=True,
-            )
-    for step in ("root", "continuation"):
-        out[f"above_bare_{step}_ms"] = (
-            out["ledger"][step]["proxy_ms"]["p50"] - out["bare"][step]["proxy_ms"]["p50"]
-        )
-    return out
+    async def db_url(label: str) -> str:
+        return (await dbs.create("sqlite", f"proxy{label}")).url
+
+    return await proxy.compare_overhead(tmp, db_url, samples=args.proxy_samples)
 
 
 def _ratios(reps: list[dict[str, Any]], backends: list[str]) -> dict[str, Any]:

@@ -4,6 +4,9 @@ on loopback, driven by raw httpx from the benchmark process.
 * :func:`load`: concurrent rollouts through the capture route (calls/s, latency, per turn);
 * :func:`overhead`: proxy round trip minus direct-upstream round trip for the same request
   (the body the proxy sends upstream, built by ``api.dialects.build_chat_upstream``);
+  :func:`overhead_interleaved` does it for several proxies sample by sample, and
+  :func:`compare_overhead` (``python -m bench.proxy``) for the bare pass-through proxy, the
+  ledger and optionally ``serve`` from another source tree (``--before DIR``), in one run;
 * :class:`RssSampler`: peak resident memory of the serve process while it works.
 """
 
@@ -20,7 +23,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +34,16 @@ from api.dialects import build_chat_upstream
 from bench.stats import summarize
 from bench.workload import ChatRollout, Workload, text
 
-__all__ = ["RssSampler", "ServerProcess", "load", "overhead", "serve_command", "sim_command"]
+__all__ = [
+    "RssSampler",
+    "ServerProcess",
+    "compare_overhead",
+    "load",
+    "overhead",
+    "overhead_interleaved",
+    "serve_command",
+    "sim_command",
+]
 
 ROOT = Path(__file__).resolve().parent.parent
 JSON = {"content-type": "application/json"}
@@ -65,8 +77,11 @@ def sim_command(port: int, gen_tokens: int) -> list[str]:
 class ServerProcess:
     """A child process serving HTTP on loopback, ready once ``health`` answers 200."""
 
-    def __init__(self, argv: list[str], port: int, health: str, log: Path) -> None:
+    def __init__(
+        self, argv: list[str], port: int, health: str, log: Path, root: Path = ROOT
+    ) -> None:
         self.argv, self.port, self.health, self.log = argv, port, health, log
+        self.root = root  # the source tree the child imports (another checkout: "before")
         self.proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -75,10 +90,10 @@ class ServerProcess:
 
     def start(self, timeout: float = 90.0) -> ServerProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("ROLLOUT_LEDGER_")}
-        env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+        env["PYTHONPATH"] = str(self.root) + os.pathsep + env.get("PYTHONPATH", "")
         with self.log.open("wb") as out:
             self.proc = subprocess.Popen(
-                self.argv, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT
+                self.argv, cwd=self.root, env=env, stdout=out, stderr=subprocess.STDOUT
             )
         deadline = time.monotonic() + timeout
         while True:
@@ -266,7 +281,33 @@ async def overhead(
     the full prompt), then a continuation (tool output appended; the ledger proves the parent and
     stores the suffix).  Order within a pair alternates.  The direct request is the exact body
     the proxy sends upstream (capture fields added), so the upstream does the same work."""
-    rows: dict[str, list[dict[str, float]]] = {"root": [], "continuation": []}
+    out = await overhead_interleaved(
+        {prefix: proxy_url},
+        upstream_url,
+        samples=samples,
+        prompt_tokens=prompt_tokens,
+        tool_tokens=tool_tokens,
+        warmup=warmup,
+    )
+    return out[prefix]
+
+
+async def overhead_interleaved(
+    proxies: dict[str, str],
+    upstream_url: str,
+    *,
+    samples: int,
+    prompt_tokens: int,
+    tool_tokens: int,
+    warmup: int = 3,
+) -> dict[str, dict[str, Any]]:
+    """:func:`overhead` for several proxies (name -> URL) at once, interleaved: sample ``i``
+    runs one rollout through each proxy, in an order that rotates with ``i``, so a change in
+    the machine's load falls on every proxy alike (the machine is shared)."""
+    names = list(proxies)
+    rows: dict[str, dict[str, list[dict[str, float]]]] = {
+        name: {"root": [], "continuation": []} for name in names
+    }
     async with httpx.AsyncClient(timeout=300) as client:
 
         async def timed(url: str, raw: bytes) -> tuple[float, dict[str, Any]]:
@@ -277,9 +318,9 @@ async def overhead(
                 raise RuntimeError(f"{url}: {resp.status_code} {resp.text[:300]}")
             return dt, resp.json()
 
-        for i in range(-warmup, samples):
+        async def rollout(name: str, i: int) -> None:
             rng = random.Random(10_000 + i)
-            rid = f"{prefix}{i + warmup:04d}"
+            rid = f"{name}{i + warmup:04d}"
             messages: list[dict[str, Any]] = [
                 {"role": "system", "content": text(rng, prompt_tokens - 80)},
                 {"role": "user", "content": text(rng, 50)},
@@ -304,17 +345,26 @@ async def overhead(
                         pair["prompt_tokens"] = direct["usage"]["prompt_tokens"]
                     else:
                         pair["proxy_ms"], answer = await timed(
-                            _capture_url(proxy_url, rid), raw_proxy
+                            _capture_url(proxies[name], rid), raw_proxy
                         )
                 pair["overhead_ms"] = pair["proxy_ms"] - pair["direct_ms"]
                 if i >= 0:
-                    rows[step].append(pair)
+                    rows[name][step].append(pair)
                 content = answer["choices"][0]["message"].get("content") or ""
                 messages = [
                     *messages,
                     {"role": "assistant", "content": content},
                     {"role": "user", "content": text(rng, tool_tokens)},
                 ]
+
+        for i in range(-warmup, samples):
+            shift = i % len(names)
+            for name in names[shift:] + names[:shift]:
+                await rollout(name, i)
+    return {name: _overhead_summary(rows[name]) for name in names}
+
+
+def _overhead_summary(rows: dict[str, list[dict[str, float]]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for step, pairs in rows.items():
         direct = [p["direct_ms"] for p in pairs]
@@ -329,3 +379,130 @@ async def overhead(
             "overhead_p50_ms": summarize(proxied)["p50"] - summarize(direct)["p50"],
         }
     return out
+
+
+def bare_command(port: int, upstream: str) -> list[str]:
+    """The bare pass-through proxy (``bench.bareproxy``): the anchor the ledger is held to."""
+    return [sys.executable, "-m", "bench.bareproxy", "--port", str(port), "--upstream", upstream]
+
+
+async def compare_overhead(
+    tmp: Path,
+    db_url: Callable[[str], Awaitable[str]],
+    *,
+    samples: int,
+    prompt_tokens: int = 16_000,
+    tool_tokens: int = 200,
+    before: Path | None = None,
+    warmup: int = 3,
+) -> dict[str, Any]:
+    """Proxy overhead of the bare pass-through proxy and of ``rollout-ledger serve`` (and, with
+    ``before``, of ``serve`` from that other source tree), each against the same simulated
+    upstream, in this one run, interleaved (:func:`overhead_interleaved`).  ``db_url(label)``
+    gives a fresh migrated database per server.  ``above_bare_<step>_ms``: p50 through the
+    ledger minus p50 through the bare proxy."""
+    kinds = ["bare", *(["before"] if before is not None else []), "ledger"]
+    out: dict[str, Any] = {}
+    sim_port = free_port()
+    sim = ServerProcess(sim_command(sim_port, 300), sim_port, "/health", tmp / "sim.log")
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(running(sim))
+        servers: dict[str, ServerProcess] = {}
+        for kind in kinds:
+            port = free_port()
+            if kind == "bare":
+                argv = bare_command(port, sim.url)
+            else:
+                argv = serve_command(await db_url(kind), sim.url, port)
+            root = before if kind == "before" and before is not None else ROOT
+            srv = ServerProcess(argv, port, "/healthz", tmp / f"{kind}.log", root=root)
+            servers[kind] = stack.enter_context(running(srv))
+        pids = {kind: srv.proc.pid for kind, srv in servers.items() if srv.proc is not None}
+        cpu0 = _cpu_seconds(pids)
+        res = await overhead_interleaved(
+            {kind: srv.url for kind, srv in servers.items()},
+            sim.url,
+            samples=samples,
+            prompt_tokens=prompt_tokens,
+            tool_tokens=tool_tokens,
+            warmup=warmup,
+        )
+        cpu1 = _cpu_seconds(pids)
+    calls = 2 * (samples + warmup)  # a root and a continuation per rollout
+    for kind in kinds:
+        out[kind] = res[kind]
+        # CPU time of the proxy process per proxied call (all its threads): less sensitive
+        # to a loaded machine than the latencies.
+        out[kind]["server_cpu_ms_per_call"] = (cpu1[kind] - cpu0[kind]) * 1e3 / calls
+        print(
+            f"proxy {kind}: overhead p50 root {res[kind]['root']['overhead_p50_ms']:.1f} ms, "
+            f"continuation {res[kind]['continuation']['overhead_p50_ms']:.1f} ms; server CPU "
+            f"{out[kind]['server_cpu_ms_per_call']:.1f} ms/call",
+            file=sys.stderr,
+            flush=True,
+        )
+    for kind in kinds[1:]:
+        for step in ("root", "continuation"):
+            key = "above_bare" if kind == "ledger" else f"{kind}_above_bare"
+            out[f"{key}_{step}_ms"] = (
+                out[kind][step]["proxy_ms"]["p50"] - out["bare"][step]["proxy_ms"]["p50"]
+            )
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.proxy``: the proxy-overhead comparison alone (SQLite ledger)."""
+    import argparse
+    import shutil
+    import tempfile
+
+    from bench.dbs import DbFactory
+
+    ap = argparse.ArgumentParser(prog="python -m bench.proxy", description=main.__doc__)
+    ap.add_argument("--samples", type=int, default=10)
+    ap.add_argument("--prompt-tokens", type=int, default=16_000)
+    ap.add_argument(
+        "--before", type=Path, default=None, help="also run `serve` from this source tree"
+    )
+    ap.add_argument("--out", type=Path, default=None, help="write the figures here (JSON)")
+    args = ap.parse_args(argv)
+
+    async def run() -> dict[str, Any]:
+        tmp = Path(tempfile.mkdtemp(prefix="rl_proxy_"))
+        dbs = DbFactory(tmp)
+        try:
+
+            async def db_url(label: str) -> str:
+                return (await dbs.create("sqlite", label)).url
+
+            return await compare_overhead(
+                tmp,
+                db_url,
+                samples=args.samples,
+                prompt_tokens=args.prompt_tokens,
+                before=args.before,
+            )
+        finally:
+            await dbs.cleanup()
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    out = asyncio.run(run())
+    for key, value in out.items():
+        if key.endswith("_ms"):
+            print(f"{key}: {value:.2f}")
+    for kind in ("bare", "before", "ledger"):
+        if kind in out:
+            for step in ("root", "continuation"):
+                r = out[kind][step]
+                print(
+                    f"{kind} {step}: n={r['samples']} prompt={r['prompt_tokens']} "
+                    f"direct p50 {r['direct_ms']['p50']:.2f} proxy p50 {r['proxy_ms']['p50']:.2f} "
+                    f"overhead {r['overhead_p50_ms']:.2f} ms"
+                )
+    if args.out is not None:
+        args.out.write_text(json.dumps(out, indent=1, default=str) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -30,7 +30,7 @@ from typer.testing import CliRunner
 
 from api import limits
 from api.app import create_app
-from api.server import uvicorn_options
+from api.server import guarded_h11, guarded_httptools, httptools_available, uvicorn_options
 from ledger.capability import MIN_SECRET_LEN, mint_capability, rollout_of_capability
 from ledger.config import Settings, load_settings, parse_tokens
 from ledger.errors import InvalidInput, InvalidRecord
@@ -326,9 +326,25 @@ async def test_large_bodies_are_parsed_off_the_event_loop(monkeypatch: pytest.Mo
 # --------------------------------------------------------------------------- 4: slow clients
 
 
-def _serve(app: Any, settings: Settings) -> tuple[Any, threading.Thread, int]:
+# Both guarded protocols: httptools (what `serve` runs when it is installed) and h11.
+PROTOCOLS = [
+    "h11",
+    pytest.param(
+        "httptools",
+        marks=pytest.mark.skipif(not httptools_available(), reason="httptools not installed"),
+    ),
+]
+
+
+def _serve(
+    app: Any, settings: Settings, protocol: str | None = None
+) -> tuple[Any, threading.Thread, int]:
     import uvicorn
 
+    options = uvicorn_options(settings)
+    if protocol is not None:
+        guarded = guarded_httptools if protocol == "httptools" else guarded_h11
+        options["http"] = guarded(settings.server.header_timeout_s, settings.server.body_timeout_s)
     config = uvicorn.Config(
         app,
         host="127.0.0.1",
@@ -336,7 +352,7 @@ def _serve(app: Any, settings: Settings) -> tuple[Any, threading.Thread, int]:
         log_level="warning",
         lifespan="on",
         timeout_graceful_shutdown=2,
-        **uvicorn_options(settings),
+        **options,
     )
     server = uvicorn.Server(config)
     thread = threading.Thread(target=server.run, daemon=True)
@@ -366,7 +382,10 @@ def _closed_by_server(sock: socket.socket, deadline: float) -> bytes | None:
     return None
 
 
-def test_slow_clients_are_cut_off_and_the_service_keeps_answering(tmp_path: Path) -> None:
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_slow_clients_are_cut_off_and_the_service_keeps_answering(
+    tmp_path: Path, protocol: str
+) -> None:
     from ledger import migrate
 
     url = f"sqlite+aiosqlite:///{tmp_path / 'slow.db'}"
@@ -374,7 +393,7 @@ def test_slow_clients_are_cut_off_and_the_service_keeps_answering(tmp_path: Path
     settings = load_settings(db=url)
     settings.server.header_timeout_s = 0.5
     settings.server.body_timeout_s = 0.5
-    server, thread, port = _serve(create_app(settings), settings)
+    server, thread, port = _serve(create_app(settings), settings, protocol)
     socks: list[socket.socket] = []
     try:
         for i in range(80):  # never finish the headers
@@ -408,12 +427,67 @@ def test_slow_clients_are_cut_off_and_the_service_keeps_answering(tmp_path: Path
         thread.join(10)
 
 
+def _one_answer(sock: socket.socket) -> bytes:
+    """One whole HTTP answer (head and a content-length body) from a kept-alive connection."""
+    got = b""
+    while b"\r\n\r\n" not in got:
+        chunk = sock.recv(65536)
+        assert chunk, got
+        got += chunk
+    head, _, body = got.partition(b"\r\n\r\n")
+    length = next(
+        int(line.split(b":", 1)[1])
+        for line in head.split(b"\r\n")
+        if line.lower().startswith(b"content-length:")
+    )
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        assert chunk, got
+        body += chunk
+    return head + b"\r\n\r\n" + body
+
+
+@pytest.mark.parametrize("protocol", PROTOCOLS)
+def test_an_oversized_request_head_is_refused_and_a_kept_alive_one_still_served(
+    tmp_path: Path, protocol: str
+) -> None:
+    from ledger import migrate
+
+    url = f"sqlite+aiosqlite:///{tmp_path / 'head.db'}"
+    migrate.upgrade(url)
+    settings = load_settings(db=url)
+    settings.server.header_timeout_s = 0.5
+    server, thread, port = _serve(create_app(settings), settings, protocol)
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            filler = b"X-Filler: " + b"a" * 1000 + b"\r\n"
+            # An endless head (never finished) is cut off at the size cap, before its deadline.
+            s.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n" + filler * 40)
+            got = _closed_by_server(s, time.monotonic() + 20)
+        assert got is not None and got.startswith(b"HTTP/1.1 400"), got
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            # Keep-alive: idling between requests longer than the header deadline (but inside
+            # the keep-alive timeout) is not a slow request; each one gets its answer.
+            for _ in range(3):
+                s.sendall(b"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\n" + filler * 4 + b"\r\n")
+                head = _one_answer(s)
+                assert head.startswith(b"HTTP/1.1 200"), head[:100]
+                time.sleep(0.8)
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
 def test_serve_passes_the_connection_limits_to_uvicorn() -> None:
     settings = Settings()
     opts = uvicorn_options(settings)
     assert opts["limit_concurrency"] == settings.server.max_connections
     assert opts["timeout_keep_alive"] == settings.server.keep_alive_s
     assert opts["http"].header_timeout_s == settings.server.header_timeout_s
+    if httptools_available():  # the C parser when it is installed
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+        assert issubclass(opts["http"], HttpToolsProtocol)
 
 
 # --------------------------------------------------------------------------- 5: CORS, Host

@@ -23,18 +23,19 @@ def json_response(value: Any) -> Response:
         content = orjson.dumps(value)
     except TypeError:
         return JSONResponse(value)
-    if b"null" in content and _has_non_finite(value):
+    if b"null" in content and has_non_finite(value):
         return JSONResponse(value)
     return Response(content, media_type="application/json")
 
 
-def _has_non_finite(value: Any) -> bool:
+def has_non_finite(value: Any) -> bool:
+    """Whether a NaN or an infinity is anywhere in ``value`` (which orjson writes as null)."""
     if isinstance(value, float):
         return value != value or value in (float("inf"), float("-inf"))
     if isinstance(value, dict):
-        return any(_has_non_finite(v) for v in value.values())
+        return any(has_non_finite(v) for v in value.values())
     if isinstance(value, list):
-        return any(_has_non_finite(v) for v in value)
+        return any(has_non_finite(v) for v in value)
     return False
 
 

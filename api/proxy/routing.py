@@ -17,7 +17,10 @@ from urllib.parse import quote
 import httpx
 from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.routing import APIRoute
 from starlette.background import BackgroundTask
+from starlette.routing import Match
+from starlette.types import Scope
 
 from api.capability import check_proxy_credential
 from api.guard import local_answer, public_answer_headers
@@ -50,6 +53,19 @@ DEFAULT_NON_GENERATING = (
 )
 
 
+_METHODS = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+
+
+class _RolloutRoute(APIRoute):
+    """The catch-all route restricted to ``/ng-rollout/`` paths."""
+
+    def matches(self, scope: Scope) -> tuple[Match, Scope]:
+        path = scope.get("path")
+        if isinstance(path, str) and path.startswith("/ng-rollout/"):
+            return super().matches(scope)
+        return Match.NONE, {}
+
+
 def _declared(settings: Settings) -> frozenset[tuple[str, str]]:
     extra = [(r.method, r.path) for r in settings.token_id_capture_non_generating_requests]
     return frozenset([*DEFAULT_NON_GENERATING, *extra])
@@ -62,11 +78,7 @@ def install_proxy(app: FastAPI, settings: Settings) -> None:
     for method, path in declared:
         NonGeneratingRoute(method=method, path=path)
 
-    @app.api_route(
-        "/{full_path:path}",
-        methods=["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"],
-        include_in_schema=False,
-    )
+    @app.api_route("/{full_path:path}", methods=_METHODS, include_in_schema=False)
     async def proxy(request: Request, full_path: str) -> Response:
         path = "/" + full_path
         if (local := local_answer(request, path)) is not None:
@@ -98,6 +110,18 @@ def install_proxy(app: FastAPI, settings: Settings) -> None:
         if not match.group("training"):
             return await forward(request, rest)
         return await _training(request, rollout_id, rest, settings, declared)
+
+    # The same handler, first in the route table for /ng-rollout/ paths: a proxied call then
+    # skips matching every ledger API route before it reaches the catch-all (no ledger route
+    # lives under /ng-rollout/, so what answers is unchanged).
+    app.router.add_api_route(
+        "/{full_path:path}",
+        proxy,
+        methods=_METHODS,
+        include_in_schema=False,
+        route_class_override=_RolloutRoute,
+    )
+    app.router.routes.insert(0, app.router.routes.pop())
 
 
 def _no_upstream(path: str) -> JSONResponse:
