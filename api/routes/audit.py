@@ -5,15 +5,14 @@ from __future__ import annotations
 from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
-from fastapi import Depends, Query
+from fastapi import Query
 
-from api.auth import require
 from api.routes.common import LedgerDep, RolloutId, ledger_router
 from api.schemas import ID_PATTERN, REASON_PATTERN, RolloutItem, RolloutPage
 from ledger.ids import MAX_ROLLOUT_ID_LEN
 from ledger.store import Audit
 
-router = ledger_router()
+router = ledger_router("audit")
 
 
 def _since_utc(value: datetime | None) -> datetime | None:
@@ -27,8 +26,6 @@ def _since_utc(value: datetime | None) -> datetime | None:
 @router.get(
     "/rollouts",
     response_model=RolloutPage,
-    tags=["audit"],
-    dependencies=[Depends(require("audit"))],
 )
 async def list_rollouts(
     led: LedgerDep,
@@ -63,13 +60,13 @@ async def list_rollouts(
     )
 
 
-@router.get("/rollouts/{rollout_id}", tags=["audit"], dependencies=[Depends(require("audit"))])
+@router.get("/rollouts/{rollout_id}")
 async def show_rollout(rollout_id: RolloutId, led: LedgerDep) -> dict[str, Any]:
     """One rollout in full: calls, edges, quarantines, incomplete events, deliveries."""
     return await Audit(led).rollout_detail(rollout_id)
 
 
-@router.get("/stats", tags=["audit"], dependencies=[Depends(require("audit"))])
+@router.get("/stats")
 async def stats(led: LedgerDep, since: datetime | None = None) -> dict[str, Any]:
     """Counts by state, outcome and reason; mask fraction; delivered-fraction distribution."""
     return await Audit(led).stats(since=_since_utc(since))

@@ -6,9 +6,8 @@ import logging
 import time
 from typing import Any
 
-from fastapi import Depends, Request, Response
+from fastapi import Request, Response
 
-from api.auth import require
 from api.limits import check_record_tokens
 from api.metrics import incomplete_label
 from api.routes.common import CallId, LedgerDep, RolloutId, ledger_router
@@ -35,15 +34,13 @@ from ledger.wire import decode_record, pack_b64_ids, unpack_b64_ids
 
 log = logging.getLogger("rollout_ledger.api.ledger")
 
-router = ledger_router()
+router = ledger_router("ingest")
 
 
 @router.post(
     "/rollouts/{rollout_id}/calls/{model_call_id}/intent",
     response_model=IntentOut,
     status_code=201,
-    tags=["ingest"],
-    dependencies=[Depends(require("ingest"))],
     responses={200: {"model": IntentOut, "description": "Already registered."}},
 )
 async def begin_call(
@@ -63,8 +60,6 @@ async def begin_call(
 @router.post(
     "/rollouts/{rollout_id}/calls/{model_call_id}/cancel",
     response_model=CancelOut,
-    tags=["ingest"],
-    dependencies=[Depends(require("ingest"))],
 )
 async def cancel_call(rollout_id: RolloutId, model_call_id: CallId, led: LedgerDep) -> CancelOut:
     """Close an intent for a call that ended without generating."""
@@ -75,8 +70,6 @@ async def cancel_call(rollout_id: RolloutId, model_call_id: CallId, led: LedgerD
     "/rollouts/{rollout_id}/calls/{model_call_id}",
     response_model=PutOut,
     status_code=201,
-    tags=["ingest"],
-    dependencies=[Depends(require("ingest"))],
     responses={
         200: {"model": PutOut, "description": "Byte-identical repeat: nothing changed."},
         409: {"description": "Different payload for this call id, or the rollout is frozen."},
@@ -147,8 +140,6 @@ async def put_call(
 @router.post(
     "/rollouts/{rollout_id}/incomplete",
     response_model=VersionOut,
-    tags=["ingest"],
-    dependencies=[Depends(require("ingest"))],
 )
 async def mark_incomplete(
     rollout_id: RolloutId, body: IncompleteBody, led: LedgerDep, request: Request
@@ -175,8 +166,6 @@ async def mark_incomplete(
 @router.post(
     "/rollouts/{rollout_id}/lineage/resolve",
     response_model=ResolveOut,
-    tags=["ingest"],
-    dependencies=[Depends(require("ingest"))],
 )
 async def resolve(rollout_id: RolloutId, body: ResolveBody, led: LedgerDep) -> ResolveOut:
     """The proven parent of a candidate prompt and its exact cumulative tokens."""
@@ -202,8 +191,6 @@ async def resolve(rollout_id: RolloutId, body: ResolveBody, led: LedgerDep) -> R
 @router.post(
     "/rollouts/{rollout_id}/lineage/resolve-request",
     response_model=ResolveRequestOut,
-    tags=["ingest"],
-    dependencies=[Depends(require("ingest"))],
 )
 async def resolve_request(
     rollout_id: RolloutId, body: ResolveRequestBody, led: LedgerDep
@@ -223,8 +210,6 @@ async def resolve_request(
     "/rollouts/{rollout_id}/custody/records",
     response_model=CustodyRecordOut,
     status_code=201,
-    tags=["ingest"],
-    dependencies=[Depends(require("ingest"))],
     responses={
         200: {"model": CustodyRecordOut, "description": "Identical repeat: nothing changed."},
         409: {"description": "This call id was recorded with different data."},
@@ -247,8 +232,6 @@ async def custody_record(
 @router.post(
     "/rollouts/{rollout_id}/custody/failures",
     status_code=204,
-    tags=["ingest"],
-    dependencies=[Depends(require("ingest"))],
 )
 async def custody_record_failure(
     rollout_id: RolloutId, body: CustodyFailureBody, led: LedgerDep
@@ -262,8 +245,6 @@ async def custody_record_failure(
 
 @router.get(
     "/rollouts/{rollout_id}/custody/manifest",
-    tags=["ingest"],
-    dependencies=[Depends(require("ingest"))],
 )
 async def custody_manifest(rollout_id: RolloutId, led: LedgerDep) -> dict[str, Any]:
     """NeMo Gym 0.7.0 ``CaptureLedger.manifest``: the token-free ``RolloutManifest``."""
@@ -275,8 +256,6 @@ async def custody_manifest(rollout_id: RolloutId, led: LedgerDep) -> dict[str, A
 @router.get(
     "/rollouts/{rollout_id}/custody/has-rows",
     response_model=HasRowsOut,
-    tags=["ingest"],
-    dependencies=[Depends(require("ingest"))],
 )
 async def custody_has_rows(rollout_id: RolloutId, led: LedgerDep) -> HasRowsOut:
     """NeMo Gym 0.7.0 ``CaptureLedger.has_rows``."""

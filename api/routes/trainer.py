@@ -5,9 +5,8 @@ from __future__ import annotations
 import logging
 from typing import Annotated
 
-from fastapi import Depends, Path, Request, Response
+from fastapi import Path, Request, Response
 
-from api.auth import require
 from api.errors import error_response
 from api.limits import encode_entries_off_loop
 from api.routes.common import LedgerDep, RolloutId, ledger_router
@@ -24,14 +23,12 @@ from ledger.wire import TokenEncoding, finite_json
 
 log = logging.getLogger("rollout_ledger.api.ledger")
 
-router = ledger_router()
+router = ledger_router("trainer")
 
 
 @router.post(
     "/rollouts/{rollout_id}/freeze",
     response_model=SnapshotOut,
-    tags=["trainer"],
-    dependencies=[Depends(require("trainer"))],
 )
 async def freeze(
     rollout_id: RolloutId,
@@ -64,8 +61,6 @@ async def freeze(
 @router.post(
     "/finalize",
     response_model=FinalizeOut,
-    tags=["trainer"],
-    dependencies=[Depends(require("trainer"))],
 )
 async def finalize(body: FinalizeBody, led: LedgerDep, request: Request) -> FinalizeOut:
     """Rebuild one rollout result: freeze, build, project, mask; returns result and build."""
@@ -87,8 +82,6 @@ async def finalize(body: FinalizeBody, led: LedgerDep, request: Request) -> Fina
 @router.post(
     "/rollouts/{rollout_id}/retire",
     response_model=RetireOut,
-    tags=["trainer"],
-    dependencies=[Depends(require("trainer"))],
     responses={
         200: {
             "model": RetireOut,
@@ -153,8 +146,6 @@ async def retire(
 @router.post(
     "/deliveries/{delivery_id}/ack",
     status_code=204,
-    tags=["trainer"],
-    dependencies=[Depends(require("trainer"))],
 )
 async def ack_delivery(
     delivery_id: Annotated[int, Path(ge=1, le=2**62)], body: AckBody, led: LedgerDep
