@@ -252,13 +252,20 @@ def _rollout_table(title: str, items: list[dict[str, Any]]) -> Table:
 
 
 def _list_rollouts(
-    title: str, db: str, token: str | None, *, wide: bool, as_json: bool, **filters: Any
+    title: str,
+    db: str,
+    token: str | None,
+    filters: dict[str, Any],
+    *,
+    wide: bool,
+    as_json: bool,
 ) -> None:
-    """Print the rollouts ``source.list(**filters)`` finds (a ``reason`` filter is checked
-    against the known reasons first), as a table or as JSON."""
+    """Print the rollouts ``source.list(**filters)`` finds, as a table or as JSON: ``since``
+    is parsed first, and a ``reason`` is checked against the known reasons."""
+    filters = {**filters, "since": parse_since(filters["since"])}
 
     async def body(source: Any) -> list[dict[str, Any]]:
-        await _check_reason(source, filters.get("reason"))
+        await _check_reason(source, filters["reason"])
         items: list[dict[str, Any]] = await source.list(**filters)
         return items
 
@@ -295,18 +302,8 @@ def audit_list(
         fail(f"--state must be open, frozen or retired; got {state!r}")
     if outcome is not None and outcome not in ("delivered", "masked", "failed"):
         fail(f"--outcome must be delivered, masked or failed; got {outcome!r}")
-    _list_rollouts(
-        "rollouts",
-        db,
-        token,
-        wide=wide,
-        as_json=as_json,
-        state=state,
-        outcome=outcome,
-        reason=reason,
-        since=parse_since(since),
-        limit=limit,
-    )
+    filters = {"state": state, "outcome": outcome, "reason": reason, "since": since, "limit": limit}
+    _list_rollouts("rollouts", db, token, filters, wide=wide, as_json=as_json)
 
 
 def audit_masked(
@@ -325,17 +322,8 @@ def audit_masked(
     as_json: JsonFlag = False,
 ) -> None:
     """Masked rollouts (latest build masked or failed), with their reasons and causes."""
-    _list_rollouts(
-        "masked rollouts",
-        db,
-        token,
-        wide=wide,
-        as_json=as_json,
-        masked=True,
-        reason=reason,
-        since=parse_since(since),
-        limit=limit,
-    )
+    filters = {"masked": True, "reason": reason, "since": since, "limit": limit}
+    _list_rollouts("masked rollouts", db, token, filters, wide=wide, as_json=as_json)
 
 
 def audit_show(

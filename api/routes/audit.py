@@ -23,10 +23,7 @@ def _since_utc(value: datetime | None) -> datetime | None:
     return value.astimezone(UTC) if value.tzinfo is not None else value.replace(tzinfo=UTC)
 
 
-@router.get(
-    "/rollouts",
-    response_model=RolloutPage,
-)
+@router.get("/rollouts", response_model=RolloutPage)
 async def list_rollouts(
     led: LedgerDep,
     state: Literal["open", "frozen", "retired"] | None = None,

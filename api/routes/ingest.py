@@ -57,10 +57,7 @@ async def begin_call(
     return IntentOut(created=created)
 
 
-@router.post(
-    "/rollouts/{rollout_id}/calls/{model_call_id}/cancel",
-    response_model=CancelOut,
-)
+@router.post("/rollouts/{rollout_id}/calls/{model_call_id}/cancel", response_model=CancelOut)
 async def cancel_call(rollout_id: RolloutId, model_call_id: CallId, led: LedgerDep) -> CancelOut:
     """Close an intent for a call that ended without generating."""
     return CancelOut(cancelled=await led.cancel_call(rollout_id, model_call_id))
@@ -137,10 +134,7 @@ async def put_call(
     )
 
 
-@router.post(
-    "/rollouts/{rollout_id}/incomplete",
-    response_model=VersionOut,
-)
+@router.post("/rollouts/{rollout_id}/incomplete", response_model=VersionOut)
 async def mark_incomplete(
     rollout_id: RolloutId, body: IncompleteBody, led: LedgerDep, request: Request
 ) -> VersionOut:
@@ -163,10 +157,7 @@ async def mark_incomplete(
     return VersionOut(version=version)
 
 
-@router.post(
-    "/rollouts/{rollout_id}/lineage/resolve",
-    response_model=ResolveOut,
-)
+@router.post("/rollouts/{rollout_id}/lineage/resolve", response_model=ResolveOut)
 async def resolve(rollout_id: RolloutId, body: ResolveBody, led: LedgerDep) -> ResolveOut:
     """The proven parent of a candidate prompt and its exact cumulative tokens."""
     prompt = (
@@ -188,10 +179,7 @@ async def resolve(rollout_id: RolloutId, body: ResolveBody, led: LedgerDep) -> R
     )
 
 
-@router.post(
-    "/rollouts/{rollout_id}/lineage/resolve-request",
-    response_model=ResolveRequestOut,
-)
+@router.post("/rollouts/{rollout_id}/lineage/resolve-request", response_model=ResolveRequestOut)
 async def resolve_request(
     rollout_id: RolloutId, body: ResolveRequestBody, led: LedgerDep
 ) -> ResolveRequestOut:
@@ -229,10 +217,7 @@ async def custody_record(
     return CustodyRecordOut(created=created)
 
 
-@router.post(
-    "/rollouts/{rollout_id}/custody/failures",
-    status_code=204,
-)
+@router.post("/rollouts/{rollout_id}/custody/failures", status_code=204)
 async def custody_record_failure(
     rollout_id: RolloutId, body: CustodyFailureBody, led: LedgerDep
 ) -> Response:
@@ -243,9 +228,7 @@ async def custody_record_failure(
     return Response(status_code=204)
 
 
-@router.get(
-    "/rollouts/{rollout_id}/custody/manifest",
-)
+@router.get("/rollouts/{rollout_id}/custody/manifest")
 async def custody_manifest(rollout_id: RolloutId, led: LedgerDep) -> dict[str, Any]:
     """NeMo Gym 0.7.0 ``CaptureLedger.manifest``: the token-free ``RolloutManifest``."""
     from ledger import custody
@@ -253,10 +236,7 @@ async def custody_manifest(rollout_id: RolloutId, led: LedgerDep) -> dict[str, A
     return await custody.manifest(led, rollout_id)
 
 
-@router.get(
-    "/rollouts/{rollout_id}/custody/has-rows",
-    response_model=HasRowsOut,
-)
+@router.get("/rollouts/{rollout_id}/custody/has-rows", response_model=HasRowsOut)
 async def custody_has_rows(rollout_id: RolloutId, led: LedgerDep) -> HasRowsOut:
     """NeMo Gym 0.7.0 ``CaptureLedger.has_rows``."""
     from ledger import custody

@@ -26,10 +26,7 @@ log = logging.getLogger("rollout_ledger.api.ledger")
 router = ledger_router("trainer")
 
 
-@router.post(
-    "/rollouts/{rollout_id}/freeze",
-    response_model=SnapshotOut,
-)
+@router.post("/rollouts/{rollout_id}/freeze", response_model=SnapshotOut)
 async def freeze(
     rollout_id: RolloutId,
     led: LedgerDep,
@@ -58,10 +55,7 @@ async def freeze(
     )
 
 
-@router.post(
-    "/finalize",
-    response_model=FinalizeOut,
-)
+@router.post("/finalize", response_model=FinalizeOut)
 async def finalize(body: FinalizeBody, led: LedgerDep, request: Request) -> FinalizeOut:
     """Rebuild one rollout result: freeze, build, project, mask; returns result and build."""
     from ledger.delivery import finalize_rollout_token_capture
@@ -143,10 +137,7 @@ async def retire(
     )
 
 
-@router.post(
-    "/deliveries/{delivery_id}/ack",
-    status_code=204,
-)
+@router.post("/deliveries/{delivery_id}/ack", status_code=204)
 async def ack_delivery(
     delivery_id: Annotated[int, Path(ge=1, le=2**62)], body: AckBody, led: LedgerDep
 ) -> Response:
