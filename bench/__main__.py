@@ -260,6 +260,18 @@ async def _timings(url: str, reset: bool = False) -> dict[str, Any]:
         return data
 
 
+async def _overhead(serve_url: str, sim_url: str, cfg: Config) -> dict[str, Any]:
+    """The proxy's added latency per call at the configured prompt size."""
+    return await proxy.overhead(
+        serve_url,
+        sim_url,
+        samples=cfg.overhead_samples,
+        prompt_tokens=cfg.overhead_prompt_tokens,
+        tool_tokens=cfg.workload.tool_tokens,
+        prefix="o",
+    )
+
+
 async def run_proxy(
     backend: str, cfg: Config, f: DbFactory, rec: Recorder, sim: proxy.ServerProcess, logs: Path
 ) -> dict[str, Any]:
@@ -295,14 +307,7 @@ async def run_proxy(
                 out["storage"] = await direct.storage(db, before, raws, prefix="p")
                 rss.mark("overhead")
                 async with rec.phase(f"{backend}: proxy overhead at {cfg.overhead_prompt_tokens}"):
-                    out["overhead"] = await proxy.overhead(
-                        srv.url,
-                        sim.url,
-                        samples=cfg.overhead_samples,
-                        prompt_tokens=cfg.overhead_prompt_tokens,
-                        tool_tokens=w.tool_tokens,
-                        prefix="o",
-                    )
+                    out["overhead"] = await _overhead(srv.url, sim.url, cfg)
             out["rss"] = rss.report()
         results = [
             direct.rollout_result(rid, fin["response_id"]) for rid, fin in ld["_finals"].items()
@@ -362,14 +367,7 @@ async def run_proxy_variant(
                     out["load"]["writes_per_commit"] = sum(sizes) / len(sizes)
             await _timings(srv.url, reset=True)
             async with rec.phase(f"{backend}: proxy variant {kind} overhead"):
-                ov = await proxy.overhead(
-                    srv.url,
-                    sim.url,
-                    samples=cfg.overhead_samples,
-                    prompt_tokens=cfg.overhead_prompt_tokens,
-                    tool_tokens=w.tool_tokens,
-                    prefix="o",
-                )
+                ov = await _overhead(srv.url, sim.url, cfg)
             out["overhead"] = ov
             t = (await _timings(srv.url))["timings"]
             if t.get("begin_call") and t.get("put"):

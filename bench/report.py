@@ -559,19 +559,21 @@ def render(r: dict[str, Any], pngs: list[str], results_path: Path, docs: Path) -
 
     add("## Storage\n")
     rows = []
+
+    def storage_row(label: str, st: dict[str, Any]) -> list[Any]:
+        return [
+            label,
+            _f(st.get("distinct_tokens_per_rollout"), 0),
+            _f((st.get("raw_distinct_bytes_per_rollout") or 0) / 1024),
+            _f((st.get("token_column_bytes_per_rollout") or 0) / 1024),
+            _f(st.get("token_column_ratio"), 2),
+            _f((st.get("stored_bytes_per_rollout") or 0) / 1024),
+            _f(st.get("ratio"), 2),
+        ]
+
     for k in ks:
         st = _get(b, k, "direct", "storage") or {}
-        rows.append(
-            [
-                f"{NAMES[k]} (Ledger API workload)",
-                _f(st.get("distinct_tokens_per_rollout"), 0),
-                _f((st.get("raw_distinct_bytes_per_rollout") or 0) / 1024),
-                _f((st.get("token_column_bytes_per_rollout") or 0) / 1024),
-                _f(st.get("token_column_ratio"), 2),
-                _f((st.get("stored_bytes_per_rollout") or 0) / 1024),
-                _f(st.get("ratio"), 2),
-            ]
-        )
+        rows.append(storage_row(f"{NAMES[k]} (Ledger API workload)", st))
         av = st.get("after_vacuum")
         if av:
             rows.append(
@@ -587,17 +589,7 @@ def render(r: dict[str, Any], pngs: list[str], results_path: Path, docs: Path) -
             )
         ps = _get(b, k, "proxy", "storage")
         if ps:
-            rows.append(
-                [
-                    f"{NAMES[k]} (through the proxy)",
-                    _f(ps.get("distinct_tokens_per_rollout"), 0),
-                    _f((ps.get("raw_distinct_bytes_per_rollout") or 0) / 1024),
-                    _f((ps.get("token_column_bytes_per_rollout") or 0) / 1024),
-                    _f(ps.get("token_column_ratio"), 2),
-                    _f((ps.get("stored_bytes_per_rollout") or 0) / 1024),
-                    _f(ps.get("ratio"), 2),
-                ]
-            )
+            rows.append(storage_row(f"{NAMES[k]} (through the proxy)", ps))
     add(
         _table(
             [
@@ -695,43 +687,33 @@ def render(r: dict[str, Any], pngs: list[str], results_path: Path, docs: Path) -
     add("## Through the proxy\n")
     rows = []
 
-    def cpu(ld: dict[str, Any], name: str) -> str:
-        return _f(_get(ld, "cpu_ms_per_call", name), 1)
+    def load_row(label: str, ld: dict[str, Any], peak_mib: str, idle_mib: str) -> list[Any]:
+        return [
+            label,
+            ld.get("calls"),
+            _f(ld.get("calls_per_s")),
+            _f(_get(ld, "call_ms", "p50")),
+            _f(_get(ld, "call_ms", "p99")),
+            *(_f(_get(ld, "cpu_ms_per_call", n), 1) for n in ("serve", "upstream", "client")),
+            peak_mib,
+            idle_mib,
+            len(ld.get("errors") or []),
+        ]
 
     for k in ks:
         p = _get(b, k, "proxy") or {}
-        ld = p.get("load") or {}
         rows.append(
-            [
+            load_row(
                 f"{NAMES[k]} `rollout-ledger serve`",
-                ld.get("calls"),
-                _f(ld.get("calls_per_s")),
-                _f(_get(ld, "call_ms", "p50")),
-                _f(_get(ld, "call_ms", "p99")),
-                cpu(ld, "serve"),
-                cpu(ld, "upstream"),
-                cpu(ld, "client"),
+                p.get("load") or {},
                 _f(_get(p, "rss", "peak_mib")),
                 _f(_get(p, "rss", "by_phase_peak_mib", "idle")),
-                len(ld.get("errors") or []),
-            ]
+            )
         )
         g = _get(b, k, "proxy_variants", "nogroup", "load")
         if g:
             rows.append(
-                [
-                    f"{NAMES[k]} without group commit (bench.serve_variant)",
-                    g.get("calls"),
-                    _f(g.get("calls_per_s")),
-                    _f(_get(g, "call_ms", "p50")),
-                    _f(_get(g, "call_ms", "p99")),
-                    cpu(g, "serve"),
-                    cpu(g, "upstream"),
-                    cpu(g, "client"),
-                    "",
-                    "",
-                    len(g.get("errors") or []),
-                ]
+                load_row(f"{NAMES[k]} without group commit (bench.serve_variant)", g, "", "")
             )
     add(
         _table(
