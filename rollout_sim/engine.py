@@ -734,18 +734,35 @@ class SimEngine:
                     "routed_experts": None,
                 }
             )
-        usage = self._usage(len(prompt), samples, params)
+        return self._answer(
+            rid,
+            "chat.completion",
+            choices,
+            self._usage(len(prompt), samples, params),
+            prompt_logprobs=self._prompt_logprobs(prompt, params),
+            prompt_token_ids=prompt if params.prompt_ids else None,
+            prompt_text=self.tokenizer.decode(prompt) if params.return_prompt_text else None,
+        )
+
+    def _answer(
+        self,
+        rid: str,
+        kind: str,
+        choices: list[dict[str, Any]],
+        usage: dict[str, Any],
+        **prompt_fields: Any,
+    ) -> dict[str, Any]:
+        """A whole (non-streamed) answer of kind ``chat.completion`` or ``text_completion``,
+        its fields in vLLM's order (``prompt_fields`` after the usage)."""
         return {
             "id": rid,
-            "object": "chat.completion",
+            "object": kind,
             "created": int(time.time()),
             "model": self.model_name,
             "choices": choices,
             "system_fingerprint": self.system_fingerprint,
             "usage": {**usage, "prompt_tokens_details": None, "completion_tokens_details": None},
-            "prompt_logprobs": self._prompt_logprobs(prompt, params),
-            "prompt_token_ids": prompt if params.prompt_ids else None,
-            "prompt_text": self.tokenizer.decode(prompt) if params.return_prompt_text else None,
+            **prompt_fields,
             "kv_transfer_params": None,
             "ec_transfer_params": None,
             "metrics": None,
@@ -917,18 +934,7 @@ class SimEngine:
                 }
             )
         usage = self._usage(sum(map(len, prompts)), samples, params)
-        return {
-            "id": rid,
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": self.model_name,
-            "choices": choices,
-            "system_fingerprint": self.system_fingerprint,
-            "usage": {**usage, "prompt_tokens_details": None, "completion_tokens_details": None},
-            "kv_transfer_params": None,
-            "ec_transfer_params": None,
-            "metrics": None,
-        }
+        return self._answer(rid, "text_completion", choices, usage)
 
     def _completion_stream(
         self, rid: str, prompts: list[list[int]], samples: list[Sample], params: Params
