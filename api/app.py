@@ -140,21 +140,15 @@ def create_app(
             if own_ledger:
                 await app.state.ledger.close()
 
-    app = FastAPI(
+    app = errors.new_app(
+        settings,
         title="rollout-ledger",
-        version="0.1.0",
         summary="Capture proxy and SQL ledger for exact training tokens.",
         lifespan=lifespan,
-        # /docs is served offline by api.ui (FastAPI's default loads Swagger UI from a CDN).
-        docs_url=None,
-        redoc_url=None,
     )
-    app.state.settings = settings
     app.state.metrics = Metrics()
     app.state.max_record_tokens = record_token_cap(settings, None)
     install_log_redaction(*REDACTED_LOGGERS)
-    errors.install(app)
-    errors.install_http(app)
     app.include_router(ledger_router)
 
     @app.get("/healthz", tags=["ops"])

@@ -1,8 +1,11 @@
 """The one place that maps the ledger's exception tree to HTTP status codes, and the error
-answers the OpenAPI document names for every ledger route."""
+answers the OpenAPI document names for every ledger route; ``new_app`` makes an application
+that answers in that shape (the service's and the audit page's)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractAsyncContextManager
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -10,6 +13,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from api.schemas import ErrorBody
+from ledger.config import Settings
 from ledger.errors import (
     AccessDenied,
     InvalidInput,
@@ -60,6 +64,29 @@ def status_for(exc: LedgerError) -> int:
 
 def error_body(code: str, message: str, **extra: Any) -> dict[str, Any]:
     return {"error": {"code": code, "message": message, **extra}}
+
+
+def new_app(
+    settings: Settings,
+    *,
+    title: str,
+    summary: str,
+    lifespan: Callable[[FastAPI], AbstractAsyncContextManager[None]],
+) -> FastAPI:
+    """A rollout-ledger application: ``settings`` on its state, the ledger's error bodies
+    (``install`` and ``install_http``), and no CDN-loaded /docs (``api.ui`` serves them)."""
+    app = FastAPI(
+        title=title,
+        version="0.1.0",
+        summary=summary,
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+    )
+    app.state.settings = settings
+    install(app)
+    install_http(app)
+    return app
 
 
 def install(app: FastAPI) -> None:

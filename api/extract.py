@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import copy
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Literal
 
@@ -137,28 +137,40 @@ def strip_chat_response(
     response: Mapping[str, Any], *, keep_logprobs: bool = False
 ) -> StrippedResponse:
     """Split a chat completion into the harness copy (no token fields) and the record view."""
-    body = _without_token_arrays(response, keep_logprobs)
-    choices = _choices(body)
-    first = choices[0] if choices and isinstance(choices[0], dict) else {}
-    message = first.get("message")
-    items = (
-        [{**message, "type": "message", "role": "assistant"}] if isinstance(message, dict) else []
-    )
-    return StrippedResponse(
-        body, copy.deepcopy(items), _response_id(response), 0 if items else None
-    )
+    return _strip(response, keep_logprobs, _chat_output)
 
 
 def strip_completion_response(
     response: Mapping[str, Any], *, keep_logprobs: bool = False
 ) -> StrippedResponse:
     """Split a text completion into the harness copy (no token fields) and the record view."""
+    return _strip(response, keep_logprobs, _completion_output)
+
+
+def _strip(
+    response: Mapping[str, Any],
+    keep_logprobs: bool,
+    output_items: Callable[[JSONDict], list[JSONDict]],
+) -> StrippedResponse:
+    """The harness copy, and the record view of its first choice (by ``output_items``)."""
     body = _without_token_arrays(response, keep_logprobs)
     choices = _choices(body)
     first = choices[0] if choices and isinstance(choices[0], dict) else {}
-    text = first.get("text")
-    items = [{"type": "message", "role": "assistant", "content": text}] if "text" in first else []
+    items = output_items(first)
     return StrippedResponse(body, items, _response_id(response), 0 if items else None)
+
+
+def _chat_output(choice: JSONDict) -> list[JSONDict]:
+    message = choice.get("message")
+    if not isinstance(message, dict):
+        return []
+    return copy.deepcopy([{**message, "type": "message", "role": "assistant"}])
+
+
+def _completion_output(choice: JSONDict) -> list[JSONDict]:
+    if "text" not in choice:
+        return []
+    return [{"type": "message", "role": "assistant", "content": choice["text"]}]
 
 
 _CHOICE_ARRAYS = ("token_ids", "routed_experts", "prompt_token_ids")

@@ -50,7 +50,7 @@ import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, TypedDict, Unpack
 
 import httpx
 
@@ -66,6 +66,7 @@ from ledger.store import ContinuationCandidate, Ledger
 
 __all__ = [
     "CONTEXT_KEY",
+    "PrefixCall",
     "PrefixPlan",
     "PrefixProofError",
     "apply_plan",
@@ -154,17 +155,22 @@ def record_fields(upstream: d.UpstreamRequest, plan: PrefixPlan | None) -> dict[
     return fields
 
 
-async def plan_prefix(
-    *,
-    ledger: Ledger,
-    client: httpx.AsyncClient,
-    headers: Mapping[str, str],
-    rollout_id: str,
-    fingerprint: str,
-    upstream: d.UpstreamRequest,
-    backend: str,
-) -> PrefixPlan:
+class PrefixCall(TypedDict):
+    """One captured call, as prefix supply sees it."""
+
+    ledger: Ledger
+    client: httpx.AsyncClient
+    headers: Mapping[str, str]
+    rollout_id: str
+    fingerprint: str
+    upstream: d.UpstreamRequest
+    backend: str
+
+
+async def plan_prefix(**call: Unpack[PrefixCall]) -> PrefixPlan:
     """Decide the required prefix (and, for the kv backend, the supplied prompt) of a call."""
+    ledger, rollout_id, fingerprint = call["ledger"], call["rollout_id"], call["fingerprint"]
+    upstream, backend = call["upstream"], call["backend"]
     body = upstream.body
     messages = body.get("messages")
     if upstream.dialect is d.Dialect.COMPLETIONS or not isinstance(messages, list):
@@ -185,35 +191,20 @@ async def plan_prefix(
     if backend != KV_BACKEND:
         return plan
     try:
-        prompt = await _supplied_prompt(client, headers, body, last, required)
+        prompt = await _supplied_prompt(call["client"], call["headers"], body, last, required)
     except _Unrenderable as exc:
         return replace(plan, status="unrenderable", reason=str(exc))
     return replace(plan, prompt=tuple(prompt))
 
 
 async def prepare(
-    *,
-    ledger: Ledger,
-    client: httpx.AsyncClient,
-    headers: Mapping[str, str],
-    rollout_id: str,
-    fingerprint: str,
-    upstream: d.UpstreamRequest,
-    backend: str,
-    metrics: Metrics,
+    *, metrics: Metrics, **call: Unpack[PrefixCall]
 ) -> tuple[d.UpstreamRequest, PrefixPlan]:
     """Plan and apply prefix supply for one call, counting it; a failed lookup sends the
     request unchanged (UNRESOLVED), never a guessed prefix."""
+    rollout_id = call["rollout_id"]
     try:
-        plan = await plan_prefix(
-            ledger=ledger,
-            client=client,
-            headers=headers,
-            rollout_id=rollout_id,
-            fingerprint=fingerprint,
-            upstream=upstream,
-            backend=backend,
-        )
+        plan = await plan_prefix(**call)
     except Exception as exc:  # a lookup failure must not fail the call
         log.warning("prefix lookup failed rollout=%s: %s: %s", rollout_id, type(exc).__name__, exc)
         plan = PrefixPlan("unresolved", f"lookup_failed: {type(exc).__name__}")
@@ -224,7 +215,7 @@ async def prepare(
         metrics.prefix_skipped.labels(plan.status).inc()
         if plan.status == "unrenderable":
             log.warning("prefix not supplied rollout=%s: %s", rollout_id, plan.reason)
-    return apply_plan(upstream, plan, backend), plan
+    return apply_plan(call["upstream"], plan, call["backend"]), plan
 
 
 def check_answer(plan: PrefixPlan, answer: Mapping[str, Any]) -> str | None:

@@ -131,15 +131,33 @@ async def _warm(ledger: Any) -> None:
 # --------------------------------------------------------------------------- direct
 
 
+@contextlib.asynccontextmanager
+async def _database(f: DbFactory, backend: str, name: str) -> AsyncIterator[Any]:
+    """A fresh database for one phase, dropped after it."""
+    db = await f.create(backend, name)
+    try:
+        yield db
+    finally:
+        await f.drop(db)
+
+
+@contextlib.asynccontextmanager
+async def _warm_ledger(kind: str, url: str) -> AsyncIterator[Any]:
+    """A ``kind`` ledger over ``url``, warmed up with its batch count reset; closed after."""
+    led = make_ledger(kind, url)
+    try:
+        await _warm(led)
+        _batches(led)
+        yield led
+    finally:
+        await led.close()
+
+
 async def run_direct(backend: str, cfg: Config, f: DbFactory, rec: Recorder) -> dict[str, Any]:
     out: dict[str, Any] = {}
     w = cfg.workload
-    db = await f.create(backend, "direct")
-    try:
-        led = make_ledger("stock", db.url)
-        try:
-            await _warm(led)
-            _batches(led)
+    async with _database(f, backend, "direct") as db:
+        async with _warm_ledger("stock", db.url) as led:
             before = await direct.size_snapshot(db)
             async with rec.phase(f"{backend}: direct ingest {w.rollouts}x{w.turns}"):
                 res = await direct.ingest(led, w, prefix="r")
@@ -164,8 +182,6 @@ async def run_direct(backend: str, cfg: Config, f: DbFactory, rec: Recorder) -> 
             out["isolated"]["by_turn_begin"] = direct.by_turn(iso["_samples"], "begin_ms")
             out["isolated"]["by_turn_put"] = direct.by_turn(iso["_samples"], "put_ms")
             out["isolated"]["by_turn_cpu"] = iso.get("by_turn_cpu")
-        finally:
-            await led.close()
         results = [
             direct.rollout_result(rid, calls[-1].entry["response_id"])
             for rid, calls in res["_calls"].items()
@@ -174,32 +190,25 @@ async def run_direct(backend: str, cfg: Config, f: DbFactory, rec: Recorder) -> 
             out["finalize"] = await direct.finalize_all(db.url, results)
         if cfg.extras is not None:
             out["extras"] = await run_extras(backend, cfg.extras, f, rec)
-    finally:
-        await f.drop(db)
     return out
 
 
 async def run_extras(backend: str, w: Workload, f: DbFactory, rec: Recorder) -> dict[str, Any]:
     """The same workload with abandoned retries and side calls: lineage and build still hold."""
-    db = await f.create(backend, "extras")
-    try:
-        led = make_ledger("stock", db.url)
-        try:
-            await _warm(led)
-            async with rec.phase(
+    async with _database(f, backend, "extras") as db:
+        async with (
+            _warm_ledger("stock", db.url) as led,
+            rec.phase(
                 f"{backend}: retries every {w.retry_every}, side calls every {w.side_call_every}"
-            ):
-                res = await direct.ingest(led, w, prefix="x")
-        finally:
-            await led.close()
+            ),
+        ):
+            res = await direct.ingest(led, w, prefix="x")
         results = []
         for rid, calls in res["_calls"].items():
             last = [c for c in calls if c.kind == "turn"][-1]
             results.append(direct.rollout_result(rid, last.entry["response_id"]))
         fin = await direct.finalize_all(db.url, results)
         return {"workload": w.describe(), "ingest": _ingest_summary(res), "finalize": fin}
-    finally:
-        await f.drop(db)
 
 
 def _batches(ledger: Any) -> dict[str, Any]:
@@ -221,42 +230,22 @@ async def run_variants(backend: str, cfg: Config, f: DbFactory, rec: Recorder) -
         kinds = {"flushintent": True}
     out: dict[str, Any] = {}
     for kind, concurrent in kinds.items():
-        db = await f.create(backend, kind)
-        try:
-            led = make_ledger(kind, db.url)
-            try:
-                await _warm(led)
-                _batches(led)
-                entry: dict[str, Any] = {}
-                if concurrent:
-                    async with rec.phase(f"{backend}: variant {kind} {w.rollouts}x{w.turns}"):
-                        res = await direct.ingest(led, w, prefix="v")
-                    entry.update(_ingest_summary(res), by_turn=res["by_turn"], **_batches(led))
-                async with rec.phase(f"{backend}: variant {kind}, one rollout alone"):
-                    alone = await direct.ingest(
-                        led, replace(w, rollouts=1), prefix="a", concurrency=1
-                    )
-                entry["alone_call_ms"] = alone["call_ms"]
-                entry["alone_begin_ms"] = alone["begin_ms"]
-            finally:
-                await led.close()
-            out[kind] = entry
-        finally:
-            await f.drop(db)
+        async with _database(f, backend, kind) as db, _warm_ledger(kind, db.url) as led:
+            entry: dict[str, Any] = {}
+            if concurrent:
+                async with rec.phase(f"{backend}: variant {kind} {w.rollouts}x{w.turns}"):
+                    res = await direct.ingest(led, w, prefix="v")
+                entry.update(_ingest_summary(res), by_turn=res["by_turn"], **_batches(led))
+            async with rec.phase(f"{backend}: variant {kind}, one rollout alone"):
+                alone = await direct.ingest(led, replace(w, rollouts=1), prefix="a", concurrency=1)
+            entry["alone_call_ms"] = alone["call_ms"]
+            entry["alone_begin_ms"] = alone["begin_ms"]
+        out[kind] = entry
     for n in cfg.sweep if backend == "sqlite" else []:
-        db = await f.create(backend, "sweep")
-        try:
-            led = make_ledger("stock", db.url)
-            try:
-                await _warm(led)
-                _batches(led)
-                async with rec.phase(f"{backend}: stock {n}x{w.turns}"):
-                    big = await direct.ingest(led, replace(w, rollouts=n), prefix=f"s{n}-")
-                out.setdefault("stock_sweep", []).append({**_ingest_summary(big), **_batches(led)})
-            finally:
-                await led.close()
-        finally:
-            await f.drop(db)
+        async with _database(f, backend, "sweep") as db, _warm_ledger("stock", db.url) as led:
+            async with rec.phase(f"{backend}: stock {n}x{w.turns}"):
+                big = await direct.ingest(led, replace(w, rollouts=n), prefix=f"s{n}-")
+            out.setdefault("stock_sweep", []).append({**_ingest_summary(big), **_batches(led)})
     return out
 
 
@@ -269,6 +258,18 @@ async def _timings(url: str, reset: bool = False) -> dict[str, Any]:
         resp.raise_for_status()
         data: dict[str, Any] = resp.json()
         return data
+
+
+async def _overhead(serve_url: str, sim_url: str, cfg: Config) -> dict[str, Any]:
+    """The proxy's added latency per call at the configured prompt size."""
+    return await proxy.overhead(
+        serve_url,
+        sim_url,
+        samples=cfg.overhead_samples,
+        prompt_tokens=cfg.overhead_prompt_tokens,
+        tool_tokens=cfg.workload.tool_tokens,
+        prefix="o",
+    )
 
 
 async def run_proxy(
@@ -306,14 +307,7 @@ async def run_proxy(
                 out["storage"] = await direct.storage(db, before, raws, prefix="p")
                 rss.mark("overhead")
                 async with rec.phase(f"{backend}: proxy overhead at {cfg.overhead_prompt_tokens}"):
-                    out["overhead"] = await proxy.overhead(
-                        srv.url,
-                        sim.url,
-                        samples=cfg.overhead_samples,
-                        prompt_tokens=cfg.overhead_prompt_tokens,
-                        tool_tokens=w.tool_tokens,
-                        prefix="o",
-                    )
+                    out["overhead"] = await _overhead(srv.url, sim.url, cfg)
             out["rss"] = rss.report()
         results = [
             direct.rollout_result(rid, fin["response_id"]) for rid, fin in ld["_finals"].items()
@@ -373,14 +367,7 @@ async def run_proxy_variant(
                     out["load"]["writes_per_commit"] = sum(sizes) / len(sizes)
             await _timings(srv.url, reset=True)
             async with rec.phase(f"{backend}: proxy variant {kind} overhead"):
-                ov = await proxy.overhead(
-                    srv.url,
-                    sim.url,
-                    samples=cfg.overhead_samples,
-                    prompt_tokens=cfg.overhead_prompt_tokens,
-                    tool_tokens=w.tool_tokens,
-                    prefix="o",
-                )
+                ov = await _overhead(srv.url, sim.url, cfg)
             out["overhead"] = ov
             t = (await _timings(srv.url))["timings"]
             if t.get("begin_call") and t.get("put"):

@@ -10,6 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from bench.report_util import pyplot, save_plot
+
 __all__ = ["write"]
 
 SIDES = {
@@ -44,11 +46,7 @@ def _verdict(ok: bool | None) -> str:
 
 
 def _plots(g: dict[str, Any], docs: Path) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     names: list[str] = []
     reps = g["reps"]
     fig, ax = plt.subplots(figsize=(8, 4))
@@ -68,10 +66,7 @@ def _plots(g: dict[str, Any], docs: Path) -> list[str]:
     ax.set_ylabel("durable calls/s (intent + record)")
     ax.set_title("8 rollouts x 50 turns, same disk, same run")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(docs / "perf-gym-throughput.png", dpi=110)
-    plt.close(fig)
-    names.append("perf-gym-throughput.png")
+    save_plot(plt, fig, docs, "perf-gym-throughput.png", names)
 
     long = g.get("long") or {}
     if long:
@@ -90,10 +85,7 @@ def _plots(g: dict[str, Any], docs: Path) -> list[str]:
         ax.set_ylabel("process CPU ms per call")
         ax.set_title("One rollout, one call at a time")
         ax.legend(fontsize=8)
-        fig.tight_layout()
-        fig.savefig(docs / "perf-long-rollout.png", dpi=110)
-        plt.close(fig)
-        names.append("perf-long-rollout.png")
+        save_plot(plt, fig, docs, "perf-long-rollout.png", names)
     return names
 
 

@@ -6,7 +6,7 @@ import statistics
 from pathlib import Path
 from typing import Any
 
-from bench.report_util import NAMES, fmt, get
+from bench.report_util import NAMES, fmt, get, pyplot, save_plot
 
 __all__ = ["evaluate", "overhead_breakdown", "targets_text", "write"]
 
@@ -158,12 +158,14 @@ def overhead_breakdown(
 # --------------------------------------------------------------------------- plots
 
 
+def _by_turn(ax: Any, by_turn: list[dict[str, Any]] | None, **style: Any) -> None:
+    """One line of per-turn medians."""
+    rows = by_turn or []
+    ax.plot([x["turn"] for x in rows], [x["median"] for x in rows], **style)
+
+
 def _plots(r: dict[str, Any], out: Path) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     b = r.get("backends", {})
     names = []
     colors = {"sqlite": "tab:blue", "postgres": "tab:orange"}
@@ -171,28 +173,18 @@ def _plots(r: dict[str, Any], out: Path) -> list[str]:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5), sharey=False)
     ax = axes[0]
     for k, d in b.items():
-        bt = _get(d, "direct", "isolated", "by_turn") or []
-        ax.plot(
-            [x["turn"] for x in bt],
-            [x["median"] for x in bt],
-            color=colors.get(k),
-            label=f"{NAMES.get(k, k)}: begin_call + put",
+        name, color = NAMES.get(k, k), colors.get(k)
+        isolated = _get(d, "direct", "isolated") or {}
+        _by_turn(ax, isolated.get("by_turn"), color=color, label=f"{name}: begin_call + put")
+        _by_turn(
+            ax, isolated.get("by_turn_put"), color=color, linestyle=":", label=f"{name}: put only"
         )
-        bp = _get(d, "direct", "isolated", "by_turn_put") or []
-        ax.plot(
-            [x["turn"] for x in bp],
-            [x["median"] for x in bp],
-            color=colors.get(k),
-            linestyle=":",
-            label=f"{NAMES.get(k, k)}: put only",
-        )
-        bc = _get(d, "direct", "isolated", "by_turn_cpu") or []
-        ax.plot(
-            [x["turn"] for x in bc],
-            [x["median"] for x in bc],
-            color=colors.get(k),
+        _by_turn(
+            ax,
+            isolated.get("by_turn_cpu"),
+            color=color,
             linestyle="-.",
-            label=f"{NAMES.get(k, k)}: CPU time of the process",
+            label=f"{name}: CPU time of the process",
         )
     ax.set_title("Per-call ingest cost, one rollout at a time (median)")
     ax.set_xlabel("turn")
@@ -202,20 +194,16 @@ def _plots(r: dict[str, Any], out: Path) -> list[str]:
     ax.legend(fontsize=8)
     ax = axes[1]
     for k, d in b.items():
-        bt = _get(d, "direct", "ingest", "by_turn") or []
-        ax.plot(
-            [x["turn"] for x in bt],
-            [x["median"] for x in bt],
-            color=colors.get(k),
-            label=f"{NAMES.get(k, k)}: Ledger API",
+        name, color = NAMES.get(k, k), colors.get(k)
+        _by_turn(
+            ax, _get(d, "direct", "ingest", "by_turn"), color=color, label=f"{name}: Ledger API"
         )
-        bp = _get(d, "proxy", "load", "by_turn") or []
-        ax.plot(
-            [x["turn"] for x in bp],
-            [x["median"] for x in bp],
-            color=colors.get(k),
+        _by_turn(
+            ax,
+            _get(d, "proxy", "load", "by_turn"),
+            color=color,
             linestyle="--",
-            label=f"{NAMES.get(k, k)}: through the proxy",
+            label=f"{name}: through the proxy",
         )
     ax.set_title("Per-call latency, 8 concurrent rollouts (median)")
     ax.set_xlabel("turn")
@@ -223,10 +211,7 @@ def _plots(r: dict[str, Any], out: Path) -> list[str]:
     ax.set_yscale("log")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "perf-turn-cost.png", dpi=110)
-    plt.close(fig)
-    names.append("perf-turn-cost.png")
+    save_plot(plt, fig, out, "perf-turn-cost.png", names)
 
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     src = _get(b, "sqlite", "direct", "storage") or _get(b, "postgres", "direct", "storage")
@@ -276,10 +261,7 @@ def _plots(r: dict[str, Any], out: Path) -> list[str]:
     ax.set_ylabel("MiB")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(out / "perf-turn-bytes.png", dpi=110)
-    plt.close(fig)
-    names.append("perf-turn-bytes.png")
+    save_plot(plt, fig, out, "perf-turn-bytes.png", names)
     return names
 
 
@@ -577,19 +559,21 @@ def render(r: dict[str, Any], pngs: list[str], results_path: Path, docs: Path) -
 
     add("## Storage\n")
     rows = []
+
+    def storage_row(label: str, st: dict[str, Any]) -> list[Any]:
+        return [
+            label,
+            _f(st.get("distinct_tokens_per_rollout"), 0),
+            _f((st.get("raw_distinct_bytes_per_rollout") or 0) / 1024),
+            _f((st.get("token_column_bytes_per_rollout") or 0) / 1024),
+            _f(st.get("token_column_ratio"), 2),
+            _f((st.get("stored_bytes_per_rollout") or 0) / 1024),
+            _f(st.get("ratio"), 2),
+        ]
+
     for k in ks:
         st = _get(b, k, "direct", "storage") or {}
-        rows.append(
-            [
-                f"{NAMES[k]} (Ledger API workload)",
-                _f(st.get("distinct_tokens_per_rollout"), 0),
-                _f((st.get("raw_distinct_bytes_per_rollout") or 0) / 1024),
-                _f((st.get("token_column_bytes_per_rollout") or 0) / 1024),
-                _f(st.get("token_column_ratio"), 2),
-                _f((st.get("stored_bytes_per_rollout") or 0) / 1024),
-                _f(st.get("ratio"), 2),
-            ]
-        )
+        rows.append(storage_row(f"{NAMES[k]} (Ledger API workload)", st))
         av = st.get("after_vacuum")
         if av:
             rows.append(
@@ -605,17 +589,7 @@ def render(r: dict[str, Any], pngs: list[str], results_path: Path, docs: Path) -
             )
         ps = _get(b, k, "proxy", "storage")
         if ps:
-            rows.append(
-                [
-                    f"{NAMES[k]} (through the proxy)",
-                    _f(ps.get("distinct_tokens_per_rollout"), 0),
-                    _f((ps.get("raw_distinct_bytes_per_rollout") or 0) / 1024),
-                    _f((ps.get("token_column_bytes_per_rollout") or 0) / 1024),
-                    _f(ps.get("token_column_ratio"), 2),
-                    _f((ps.get("stored_bytes_per_rollout") or 0) / 1024),
-                    _f(ps.get("ratio"), 2),
-                ]
-            )
+            rows.append(storage_row(f"{NAMES[k]} (through the proxy)", ps))
     add(
         _table(
             [
@@ -713,43 +687,33 @@ def render(r: dict[str, Any], pngs: list[str], results_path: Path, docs: Path) -
     add("## Through the proxy\n")
     rows = []
 
-    def cpu(ld: dict[str, Any], name: str) -> str:
-        return _f(_get(ld, "cpu_ms_per_call", name), 1)
+    def load_row(label: str, ld: dict[str, Any], peak_mib: str, idle_mib: str) -> list[Any]:
+        return [
+            label,
+            ld.get("calls"),
+            _f(ld.get("calls_per_s")),
+            _f(_get(ld, "call_ms", "p50")),
+            _f(_get(ld, "call_ms", "p99")),
+            *(_f(_get(ld, "cpu_ms_per_call", n), 1) for n in ("serve", "upstream", "client")),
+            peak_mib,
+            idle_mib,
+            len(ld.get("errors") or []),
+        ]
 
     for k in ks:
         p = _get(b, k, "proxy") or {}
-        ld = p.get("load") or {}
         rows.append(
-            [
+            load_row(
                 f"{NAMES[k]} `rollout-ledger serve`",
-                ld.get("calls"),
-                _f(ld.get("calls_per_s")),
-                _f(_get(ld, "call_ms", "p50")),
-                _f(_get(ld, "call_ms", "p99")),
-                cpu(ld, "serve"),
-                cpu(ld, "upstream"),
-                cpu(ld, "client"),
+                p.get("load") or {},
                 _f(_get(p, "rss", "peak_mib")),
                 _f(_get(p, "rss", "by_phase_peak_mib", "idle")),
-                len(ld.get("errors") or []),
-            ]
+            )
         )
         g = _get(b, k, "proxy_variants", "nogroup", "load")
         if g:
             rows.append(
-                [
-                    f"{NAMES[k]} without group commit (bench.serve_variant)",
-                    g.get("calls"),
-                    _f(g.get("calls_per_s")),
-                    _f(_get(g, "call_ms", "p50")),
-                    _f(_get(g, "call_ms", "p99")),
-                    cpu(g, "serve"),
-                    cpu(g, "upstream"),
-                    cpu(g, "client"),
-                    "",
-                    "",
-                    len(g.get("errors") or []),
-                ]
+                load_row(f"{NAMES[k]} without group commit (bench.serve_variant)", g, "", "")
             )
     add(
         _table(

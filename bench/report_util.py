@@ -1,11 +1,12 @@
-"""Formatting helpers shared by the report and its prose."""
+"""Formatting and plotting helpers shared by the reports and their prose."""
 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 from typing import Any
 
-__all__ = ["NAMES", "fmt", "get"]
+__all__ = ["NAMES", "fmt", "get", "pyplot", "save_plot"]
 
 NAMES = {"sqlite": "SQLite", "postgres": "Postgres"}
 
@@ -28,3 +29,21 @@ def fmt(x: Any, nd: int = 1, unit: str = "") -> str:
     if isinstance(x, int) and not isinstance(x, bool):
         return f"{x:,}{unit}"
     return f"{x:,.{nd}f}{unit}"
+
+
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the file-only Agg backend (matplotlib is a bench extra)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_plot(plt: Any, fig: Any, out: Path, name: str, names: list[str]) -> None:
+    """Lay out, save (``out/name``, 110 dpi) and close a figure, and add its name to ``names``."""
+    fig.tight_layout()
+    fig.savefig(out / name, dpi=110)
+    plt.close(fig)
+    names.append(name)

@@ -251,6 +251,31 @@ def _rollout_table(title: str, items: list[dict[str, Any]]) -> Table:
     return t
 
 
+def _list_rollouts(
+    title: str,
+    db: str,
+    token: str | None,
+    filters: dict[str, Any],
+    *,
+    wide: bool,
+    as_json: bool,
+) -> None:
+    """Print the rollouts ``source.list(**filters)`` finds, as a table or as JSON: ``since``
+    is parsed first, and a ``reason`` is checked against the known reasons."""
+    filters = {**filters, "since": parse_since(filters["since"])}
+
+    async def body(source: Any) -> list[dict[str, Any]]:
+        await _check_reason(source, filters["reason"])
+        items: list[dict[str, Any]] = await source.list(**filters)
+        return items
+
+    items = _run(db, token, body)
+    if as_json:
+        print(json.dumps(_jsonable(items), indent=2))
+        return
+    _stdout(wide).print(_rollout_table(f"{title} ({len(items)})", items))
+
+
 # --------------------------------------------------------------------------- commands
 
 
@@ -277,20 +302,8 @@ def audit_list(
         fail(f"--state must be open, frozen or retired; got {state!r}")
     if outcome is not None and outcome not in ("delivered", "masked", "failed"):
         fail(f"--outcome must be delivered, masked or failed; got {outcome!r}")
-    when = parse_since(since)
-
-    async def body(source: Any) -> list[dict[str, Any]]:
-        await _check_reason(source, reason)
-        items: list[dict[str, Any]] = await source.list(
-            state=state, outcome=outcome, reason=reason, since=when, limit=limit
-        )
-        return items
-
-    items = _run(db, token, body)
-    if as_json:
-        print(json.dumps(_jsonable(items), indent=2))
-        return
-    _stdout(wide).print(_rollout_table(f"rollouts ({len(items)})", items))
+    filters = {"state": state, "outcome": outcome, "reason": reason, "since": since, "limit": limit}
+    _list_rollouts("rollouts", db, token, filters, wide=wide, as_json=as_json)
 
 
 def audit_masked(
@@ -309,20 +322,8 @@ def audit_masked(
     as_json: JsonFlag = False,
 ) -> None:
     """Masked rollouts (latest build masked or failed), with their reasons and causes."""
-    when = parse_since(since)
-
-    async def body(source: Any) -> list[dict[str, Any]]:
-        await _check_reason(source, reason)
-        items: list[dict[str, Any]] = await source.list(
-            masked=True, reason=reason, since=when, limit=limit
-        )
-        return items
-
-    items = _run(db, token, body)
-    if as_json:
-        print(json.dumps(_jsonable(items), indent=2))
-        return
-    _stdout(wide).print(_rollout_table(f"masked rollouts ({len(items)})", items))
+    filters = {"masked": True, "reason": reason, "since": since, "limit": limit}
+    _list_rollouts("masked rollouts", db, token, filters, wide=wide, as_json=as_json)
 
 
 def audit_show(

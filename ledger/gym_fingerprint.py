@@ -65,13 +65,7 @@ def assistant_fingerprint(items: Sequence[Any]) -> str:
         if not _model_authored(item):
             continue
         authored += 1
-        for kind, payload in _parts(item.get("content")):
-            _field(hasher, 0, kind)
-            _field(hasher, 1, payload)
-        for call_id, name, arguments in _tool_calls(item):
-            _field(hasher, 2, call_id)
-            _field(hasher, 3, name)
-            _field(hasher, 4, arguments)
+        _parts_and_calls(hasher, item, tag=0)
     return hasher.hexdigest() if authored else ""
 
 
@@ -80,17 +74,24 @@ def conversation_digest(items: Sequence[Any]) -> str:
     hasher = hashlib.sha256(_CONTEXT_DOMAIN)
     for item in _objects(items):
         _field(hasher, 0, str(item.get("role") or item.get("type") or ""))
-        for kind, payload in _parts(item.get("content")):
-            _field(hasher, 1, kind)
-            _field(hasher, 2, payload)
-        for call_id, name, arguments in _tool_calls(item):
-            _field(hasher, 3, call_id)
-            _field(hasher, 4, name)
-            _field(hasher, 5, arguments)
+        _parts_and_calls(hasher, item, tag=1)
         for call_id, payload in _tool_results(item):
             _field(hasher, 6, call_id)
             _field(hasher, 7, payload)
     return hasher.hexdigest()
+
+
+def _parts_and_calls(hasher: Any, item: Mapping[str, Any], *, tag: int) -> None:
+    """Hash an item's content parts (tags ``tag``, ``tag + 1``: type, text) and then its tool
+    calls (``tag + 2`` .. ``tag + 4``: id, name, arguments); both hashes share this layout,
+    the context digest one tag higher (after its role)."""
+    for kind, payload in _parts(item.get("content")):
+        _field(hasher, tag, kind)
+        _field(hasher, tag + 1, payload)
+    for call_id, name, arguments in _tool_calls(item):
+        _field(hasher, tag + 2, call_id)
+        _field(hasher, tag + 3, name)
+        _field(hasher, tag + 4, arguments)
 
 
 def canonicalize_tool_arguments(value: Any) -> str:

@@ -13,26 +13,25 @@ Usage::
 
 from rollout_sim.engine import (
     VLLM_VERSION,
-    Fault,
-    FaultKind,
-    Faults,
+    EngineOptions,
     RecordedRequest,
     Reply,
     Responder,
     SimEngine,
     SimRequest,
-    SimulatedDisconnect,
     Tokenizer,
     ToolCall,
     create_sim_vllm_app,
     engine_of,
 )
+from rollout_sim.faults import Fault, FaultKind, Faults, SimulatedDisconnect
 from rollout_sim.server import ThreadedServer
 from rollout_sim.tokenizer import ByteTokenizer
 
 __all__ = [
     "VLLM_VERSION",
     "ByteTokenizer",
+    "EngineOptions",
     "Fault",
     "FaultKind",
     "Faults",

@@ -32,7 +32,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypedDict, Unpack
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -40,7 +40,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from rollout_sim.chat import assistant_text, has_non_text_content, message_text
-from rollout_sim.faults import Fault, FaultKind, Faults, SimulatedDisconnect
+from rollout_sim.faults import Fault, Faults, SimulatedDisconnect
 from rollout_sim.params import (
     CHAT_ROUTE,
     COMPLETIONS_ROUTE,
@@ -53,23 +53,6 @@ from rollout_sim.params import (
 )
 from rollout_sim.parsers import ToolMode, parse_output
 from rollout_sim.stream import Sample, Step, interleave, json_response, sse, text_offsets
-
-__all__ = [
-    "VLLM_VERSION",
-    "Fault",
-    "FaultKind",
-    "Faults",
-    "RecordedRequest",
-    "Reply",
-    "Responder",
-    "SimEngine",
-    "SimRequest",
-    "SimulatedDisconnect",
-    "Tokenizer",
-    "ToolCall",
-    "create_sim_vllm_app",
-    "engine_of",
-]
 
 VLLM_VERSION = "0.32.0"
 LOGPROB_FLOOR = -9999.0  # vLLM clamps -inf to this
@@ -751,18 +734,35 @@ class SimEngine:
                     "routed_experts": None,
                 }
             )
-        usage = self._usage(len(prompt), samples, params)
+        return self._answer(
+            rid,
+            "chat.completion",
+            choices,
+            self._usage(len(prompt), samples, params),
+            prompt_logprobs=self._prompt_logprobs(prompt, params),
+            prompt_token_ids=prompt if params.prompt_ids else None,
+            prompt_text=self.tokenizer.decode(prompt) if params.return_prompt_text else None,
+        )
+
+    def _answer(
+        self,
+        rid: str,
+        kind: str,
+        choices: list[dict[str, Any]],
+        usage: dict[str, Any],
+        **prompt_fields: Any,
+    ) -> dict[str, Any]:
+        """A whole (non-streamed) answer of kind ``chat.completion`` or ``text_completion``,
+        its fields in vLLM's order (``prompt_fields`` after the usage)."""
         return {
             "id": rid,
-            "object": "chat.completion",
+            "object": kind,
             "created": int(time.time()),
             "model": self.model_name,
             "choices": choices,
             "system_fingerprint": self.system_fingerprint,
             "usage": {**usage, "prompt_tokens_details": None, "completion_tokens_details": None},
-            "prompt_logprobs": self._prompt_logprobs(prompt, params),
-            "prompt_token_ids": prompt if params.prompt_ids else None,
-            "prompt_text": self.tokenizer.decode(prompt) if params.return_prompt_text else None,
+            **prompt_fields,
             "kv_transfer_params": None,
             "ec_transfer_params": None,
             "metrics": None,
@@ -934,18 +934,7 @@ class SimEngine:
                 }
             )
         usage = self._usage(sum(map(len, prompts)), samples, params)
-        return {
-            "id": rid,
-            "object": "text_completion",
-            "created": int(time.time()),
-            "model": self.model_name,
-            "choices": choices,
-            "system_fingerprint": self.system_fingerprint,
-            "usage": {**usage, "prompt_tokens_details": None, "completion_tokens_details": None},
-            "kv_transfer_params": None,
-            "ec_transfer_params": None,
-            "metrics": None,
-        }
+        return self._answer(rid, "text_completion", choices, usage)
 
     def _completion_stream(
         self, rid: str, prompts: list[list[int]], samples: list[Sample], params: Params
@@ -1063,32 +1052,23 @@ def _corrupt(samples: list[Sample], fault: Fault | None, vocab: int) -> None:
         first.inline_ids = [*first.ids[:-1], (first.ids[-1] + 1) % vocab]
 
 
-def create_sim_vllm_app(
-    tokenizer: Tokenizer,
-    *,
-    model_name: str = "smol",
-    max_model_len: int = 2048,
-    seed: int = 0,
-    error_style: Literal["new", "old"] = "new",
-    reasoning_parser: bool = False,
-    enable_auto_tool_choice: bool = True,
-    stream_interval: int = 1,
-    strict_model: bool = True,
-    required_prefix_extension: bool = False,
-) -> Starlette:
+class EngineOptions(TypedDict, total=False):
+    """`SimEngine`'s keyword options; what is left out takes `SimEngine`'s default."""
+
+    model_name: str
+    max_model_len: int
+    seed: int
+    error_style: Literal["new", "old"]
+    reasoning_parser: bool
+    enable_auto_tool_choice: bool
+    stream_interval: int
+    strict_model: bool
+    required_prefix_extension: bool
+
+
+def create_sim_vllm_app(tokenizer: Tokenizer, **options: Unpack[EngineOptions]) -> Starlette:
     """The ASGI app of a new `SimEngine`; reach the engine with `engine_of(app)`."""
-    return SimEngine(
-        tokenizer,
-        model_name=model_name,
-        max_model_len=max_model_len,
-        seed=seed,
-        error_style=error_style,
-        reasoning_parser=reasoning_parser,
-        enable_auto_tool_choice=enable_auto_tool_choice,
-        stream_interval=stream_interval,
-        strict_model=strict_model,
-        required_prefix_extension=required_prefix_extension,
-    ).app
+    return SimEngine(tokenizer, **options).app
 
 
 def engine_of(app: Starlette) -> SimEngine:

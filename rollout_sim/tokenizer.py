@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -32,7 +33,31 @@ _TOOLS_FOOTER = (
 )
 
 
-class ByteTokenizer:
+class TemplateTokenizer(ABC):
+    """A tokenizer with a chat template that renders text: `render_chat` (what
+    `rollout_sim.engine.Tokenizer` asks for) is the ids of `render_text`."""
+
+    @abstractmethod
+    def encode(self, text: str) -> list[int]: ...
+
+    @abstractmethod
+    def render_text(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None,
+        add_generation_prompt: bool,
+    ) -> str: ...
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        add_generation_prompt: bool,
+    ) -> list[int]:
+        return self.encode(self.render_text(messages, tools, add_generation_prompt))
+
+
+class ByteTokenizer(TemplateTokenizer):
     """Implements `rollout_sim.engine.Tokenizer` without any third-party package."""
 
     eos_id: int = SPECIAL_TOKENS["<|im_end|>"]
@@ -97,11 +122,3 @@ class ByteTokenizer:
         if add_generation_prompt:
             parts.append("<|im_start|>assistant\n")
         return "".join(parts)
-
-    def render_chat(
-        self,
-        messages: list[dict[str, Any]],
-        tools: list[dict[str, Any]] | None,
-        add_generation_prompt: bool,
-    ) -> list[int]:
-        return self.encode(self.render_text(messages, tools, add_generation_prompt))

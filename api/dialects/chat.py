@@ -12,7 +12,7 @@ pinned values win over whatever the harness sent and are present when it sent no
 from __future__ import annotations
 
 import copy
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, TypeGuard
 
@@ -28,6 +28,7 @@ __all__ = [
     "build_chat_upstream",
     "build_completions_upstream",
     "finish_chat_upstream",
+    "translated_chat_upstream",
 ]
 
 CHAT_PATH = "/v1/chat/completions"
@@ -107,6 +108,23 @@ def finish_chat_upstream(
         stream=stream,
         include_usage=include_usage,
         keep_logprobs=keep_logprobs,
+    )
+
+
+def translated_chat_upstream(
+    dialect: Dialect,
+    to_chat: Callable[[Mapping[str, Any]], JSONDict],
+    body: Mapping[str, Any],
+    sampling_overrides: Mapping[str, Any] | None,
+) -> UpstreamRequest:
+    """The upstream chat request (with capture fields) for a dialect the proxy translates to
+    chat (Messages, Responses): its refusals first, then ``to_chat``, then the capture fields."""
+    refuse_dropped_meaning(dialect, body)
+    return finish_chat_upstream(
+        to_chat(body),
+        dialect=dialect,
+        stream=body.get("stream") is True,
+        sampling_overrides=sampling_overrides,
     )
 
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from api.dialects.common import Dialect, UnsupportedRequest
+from api.dialects.common import Dialect, UnsupportedRequest, mapping_or_empty
 
 __all__ = ["ANTHROPIC_THREAD_DETAILS", "refuse_dropped_meaning"]
 
@@ -42,48 +42,55 @@ def _set(value: Any) -> bool:
     return value is not None and value is not False and value != [] and value != {}
 
 
+def _refuse_if_set(
+    value: Any, param: str, message: str, details: Mapping[str, Any] | None = None
+) -> None:
+    if _set(value):
+        raise UnsupportedRequest(message, param=param, details=details)
+
+
 def _anthropic(body: Mapping[str, Any]) -> None:
-    if _set(body.get("thread")):
-        raise UnsupportedRequest(
-            "`thread` is not supported: " + _NO_STATE + " in `messages` without `thread` (the "
-            "Anthropic SDK does so by itself on this error)",
-            param="thread",
-            details=ANTHROPIC_THREAD_DETAILS,
-        )
-    if _set(body.get("compaction")):
-        raise UnsupportedRequest(
-            "`compaction` is not supported: the inference server cannot summarise a "
-            "conversation server-side; compact the history in the harness",
-            param="compaction",
-        )
-    if _set(mapping(body.get("context_management")).get("edits")):
-        raise UnsupportedRequest(
-            "`context_management` edits are not supported: the inference server cannot clear "
-            "tool results or thinking server-side; edit the history in the harness",
-            param="context_management",
-        )
-    if _set(body.get("mcp_servers")):
-        raise UnsupportedRequest(
-            "`mcp_servers` is not supported: the inference server cannot call MCP servers, "
-            "so their tools would never reach the model; declare them as client tools",
-            param="mcp_servers",
-        )
+    _refuse_if_set(
+        body.get("thread"),
+        "thread",
+        "`thread` is not supported: " + _NO_STATE + " in `messages` without `thread` (the "
+        "Anthropic SDK does so by itself on this error)",
+        ANTHROPIC_THREAD_DETAILS,
+    )
+    _refuse_if_set(
+        body.get("compaction"),
+        "compaction",
+        "`compaction` is not supported: the inference server cannot summarise a "
+        "conversation server-side; compact the history in the harness",
+    )
+    _refuse_if_set(
+        mapping_or_empty(body.get("context_management")).get("edits"),
+        "context_management",
+        "`context_management` edits are not supported: the inference server cannot clear "
+        "tool results or thinking server-side; edit the history in the harness",
+    )
+    _refuse_if_set(
+        body.get("mcp_servers"),
+        "mcp_servers",
+        "`mcp_servers` is not supported: the inference server cannot call MCP servers, "
+        "so their tools would never reach the model; declare them as client tools",
+    )
 
 
 def _chat(body: Mapping[str, Any]) -> None:
     for name in ("functions", "function_call"):
-        if _set(body.get(name)):
-            raise UnsupportedRequest(
-                f"the legacy `{name}` field is not supported (vLLM ignores it, so the model "
-                "would never see the functions); send them as `tools` / `tool_choice`",
-                param=name,
-            )
-    if _set(body.get("web_search_options")):
-        raise UnsupportedRequest(
-            "`web_search_options` is not supported: the inference server cannot search the "
-            "web, so the model would answer without the results",
-            param="web_search_options",
+        _refuse_if_set(
+            body.get(name),
+            name,
+            f"the legacy `{name}` field is not supported (vLLM ignores it, so the model "
+            "would never see the functions); send them as `tools` / `tool_choice`",
         )
+    _refuse_if_set(
+        body.get("web_search_options"),
+        "web_search_options",
+        "`web_search_options` is not supported: the inference server cannot search the "
+        "web, so the model would answer without the results",
+    )
     modalities = body.get("modalities")
     if _set(body.get("audio")) or (
         isinstance(modalities, list) and any(m != "text" for m in modalities)
@@ -96,12 +103,12 @@ def _chat(body: Mapping[str, Any]) -> None:
 
 
 def _responses(body: Mapping[str, Any]) -> None:
-    if _set(body.get("context_management")):
-        raise UnsupportedRequest(
-            "`context_management` is not supported: the inference server cannot compact a "
-            "conversation server-side; compact the history in the harness",
-            param="context_management",
-        )
+    _refuse_if_set(
+        body.get("context_management"),
+        "context_management",
+        "`context_management` is not supported: the inference server cannot compact a "
+        "conversation server-side; compact the history in the harness",
+    )
     choice = body.get("tool_choice")
     if isinstance(choice, Mapping) and choice.get("type") not in (None, "function", "custom"):
         raise UnsupportedRequest(
@@ -110,7 +117,3 @@ def _responses(body: Mapping[str, Any]) -> None:
             "tool by name)",
             param="tool_choice",
         )
-
-
-def mapping(value: Any) -> Mapping[str, Any]:
-    return value if isinstance(value, Mapping) else {}

@@ -38,7 +38,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from api.dialects.chat import UpstreamRequest, finish_chat_upstream
+from api.dialects.chat import UpstreamRequest, translated_chat_upstream
 from api.dialects.common import (
     Dialect,
     InvalidRequest,
@@ -51,7 +51,6 @@ from api.dialects.common import (
     single_choice,
     token_count,
 )
-from api.dialects.refusals import refuse_dropped_meaning
 from ledger.fingerprint import CUSTOM_TOOL_INPUT_KEY, NAMESPACE_SEPARATOR
 
 __all__ = [
@@ -160,12 +159,8 @@ def build_responses_upstream(
     body: Mapping[str, Any], *, sampling_overrides: Mapping[str, Any] | None = None
 ) -> UpstreamRequest:
     """The upstream chat request (with capture fields) for a Responses request."""
-    refuse_dropped_meaning(Dialect.RESPONSES, body)
-    return finish_chat_upstream(
-        responses_to_chat_request(body),
-        dialect=Dialect.RESPONSES,
-        stream=body.get("stream") is True,
-        sampling_overrides=sampling_overrides,
+    return translated_chat_upstream(
+        Dialect.RESPONSES, responses_to_chat_request, body, sampling_overrides
     )
 
 

@@ -21,23 +21,41 @@ ErrorKind = Literal["unavailable", "invalid_request"]
 Reply = tuple[Any, Iterator[bytes] | None]
 
 
+def _openai_error(kind: ErrorKind, message: str, code: str) -> dict[str, Any]:
+    return {
+        "error": {
+            "message": message,
+            "type": "server_error" if kind == "unavailable" else "invalid_request_error",
+            "param": None,
+            "code": code,
+        }
+    }
+
+
+def _as_recorded(stripped: StrippedResponse) -> list[dict[str, Any]]:
+    return stripped.output_items
+
+
 @dataclass(frozen=True, slots=True)
 class DialectHandler:
-    """How the proxy treats one dialect, from the request it reads to the answer it writes."""
+    """How the proxy treats one dialect, from the request it reads to the answer it writes.
+
+    The defaults are the OpenAI dialects' (chat-form upstream, ``messages``, OpenAI error
+    envelopes, the recorded output echoed back as it is)."""
 
     dialect: d.Dialect
     # Harness body -> the vLLM request (capture fields added, sampling pinned).
     build_upstream: Callable[..., d.UpstreamRequest]
-    # The request key holding the conversation items (for the model-authored fingerprint).
-    items_key: str
-    # Whether the upstream answers in chat form (else the Completions form).
-    chat_answer: bool
     # The upstream's (chat or completions) answer -> what the harness gets.
     reply: Callable[[d.UpstreamRequest, dict[str, Any], dict[str, Any]], Reply]
+    # The request key holding the conversation items (for the model-authored fingerprint).
+    items_key: str = "messages"
+    # Whether the upstream answers in chat form (else the Completions form).
+    chat_answer: bool = True
     # This call's output as the harness sees it, and so echoes it in its next request.
-    echoed_output: Callable[[StrippedResponse], list[dict[str, Any]]]
+    echoed_output: Callable[[StrippedResponse], list[dict[str, Any]]] = _as_recorded
     # An error body in the dialect's envelope.
-    error_body: Callable[[ErrorKind, str, str], dict[str, Any]]
+    error_body: Callable[[ErrorKind, str, str], dict[str, Any]] = _openai_error
     # A streamed request whose call failed is answered as a failed stream on HTTP 200
     # (Codex expects that of Responses), not as an HTTP error.
     failed_stream_on_200: bool = False
@@ -50,25 +68,10 @@ class DialectHandler:
         return [i for i in items if isinstance(i, dict)]
 
 
-def _openai_error(kind: ErrorKind, message: str, code: str) -> dict[str, Any]:
-    return {
-        "error": {
-            "message": message,
-            "type": "server_error" if kind == "unavailable" else "invalid_request_error",
-            "param": None,
-            "code": code,
-        }
-    }
-
-
 def _anthropic_error(kind: ErrorKind, message: str, code: str) -> dict[str, Any]:
     del code  # Anthropic envelopes carry a type, no code
     kind_type = "api_error" if kind == "unavailable" else "invalid_request_error"
     return {"type": "error", "error": {"type": kind_type, "message": message}}
-
-
-def _as_recorded(stripped: StrippedResponse) -> list[dict[str, Any]]:
-    return stripped.output_items
 
 
 def _anthropic_echo(stripped: StrippedResponse) -> list[dict[str, Any]]:
@@ -105,40 +108,21 @@ def _anthropic_reply(
 
 
 HANDLERS: dict[d.Dialect, DialectHandler] = {
-    d.Dialect.CHAT: DialectHandler(
-        dialect=d.Dialect.CHAT,
-        build_upstream=d.build_chat_upstream,
-        items_key="messages",
-        chat_answer=True,
-        reply=_chat_reply,
-        echoed_output=_as_recorded,
-        error_body=_openai_error,
-    ),
+    d.Dialect.CHAT: DialectHandler(d.Dialect.CHAT, d.build_chat_upstream, _chat_reply),
     d.Dialect.COMPLETIONS: DialectHandler(
-        dialect=d.Dialect.COMPLETIONS,
-        build_upstream=d.build_completions_upstream,
-        items_key="messages",
-        chat_answer=False,
-        reply=_completions_reply,
-        echoed_output=_as_recorded,
-        error_body=_openai_error,
+        d.Dialect.COMPLETIONS, d.build_completions_upstream, _completions_reply, chat_answer=False
     ),
     d.Dialect.RESPONSES: DialectHandler(
-        dialect=d.Dialect.RESPONSES,
-        build_upstream=d.build_responses_upstream,
+        d.Dialect.RESPONSES,
+        d.build_responses_upstream,
+        _responses_reply,
         items_key="input",
-        chat_answer=True,
-        reply=_responses_reply,
-        echoed_output=_as_recorded,
-        error_body=_openai_error,
         failed_stream_on_200=True,
     ),
     d.Dialect.ANTHROPIC: DialectHandler(
-        dialect=d.Dialect.ANTHROPIC,
-        build_upstream=d.build_anthropic_upstream,
-        items_key="messages",
-        chat_answer=True,
-        reply=_anthropic_reply,
+        d.Dialect.ANTHROPIC,
+        d.build_anthropic_upstream,
+        _anthropic_reply,
         echoed_output=_anthropic_echo,
         error_body=_anthropic_error,
     ),

@@ -2,26 +2,18 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from fastapi import Depends, Query
-from fastapi.types import DecoratedCallable
+from fastapi import Query
 
-from api.auth import require
 from api.routes.common import LedgerDep, RolloutId, ledger_router
 from api.schemas import ID_PATTERN, REASON_PATTERN, RolloutItem, RolloutPage
 from ledger.ids import MAX_ROLLOUT_ID_LEN
 from ledger.storage.audit import as_utc
 from ledger.store import Audit
 
-router = ledger_router()
-
-
-def _audit_get(path: str, **options: Any) -> Callable[[DecoratedCallable], DecoratedCallable]:
-    """A GET route of the ``audit`` scope (tagged ``audit``; the caller needs that scope)."""
-    return router.get(path, tags=["audit"], dependencies=[Depends(require("audit"))], **options)
+router = ledger_router("audit")
 
 
 def _since_utc(value: datetime | None) -> datetime | None:
@@ -30,7 +22,7 @@ def _since_utc(value: datetime | None) -> datetime | None:
     return None if value is None else as_utc(value)
 
 
-@_audit_get("/rollouts", response_model=RolloutPage)
+@router.get("/rollouts", response_model=RolloutPage)
 async def list_rollouts(
     led: LedgerDep,
     state: Literal["open", "frozen", "retired"] | None = None,
@@ -64,13 +56,13 @@ async def list_rollouts(
     )
 
 
-@_audit_get("/rollouts/{rollout_id}")
+@router.get("/rollouts/{rollout_id}")
 async def show_rollout(rollout_id: RolloutId, led: LedgerDep) -> dict[str, Any]:
     """One rollout in full: calls, edges, quarantines, incomplete events, deliveries."""
     return await Audit(led).rollout_detail(rollout_id)
 
 
-@_audit_get("/stats")
+@router.get("/stats")
 async def stats(led: LedgerDep, since: datetime | None = None) -> dict[str, Any]:
     """Counts by state, outcome and reason; mask fraction; delivered-fraction distribution."""
     return await Audit(led).stats(since=_since_utc(since))

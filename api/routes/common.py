@@ -1,5 +1,6 @@
 """What every ledger API route module shares: the path parameters, the ledger dependency and a
-router factory (prefix ``/ledger/v1``, the common error answers, bounded JSON bodies)."""
+router factory (prefix ``/ledger/v1``, the scope tag and token check, the common error answers,
+bounded JSON bodies)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Path, Request
 
+from api.auth import require
 from api.errors import COMMON_ERRORS
 from api.limits import BoundedJsonRoute
 from api.schemas import ID_PATTERN
@@ -27,6 +29,13 @@ def ledger_of(request: Request) -> Ledger:
 LedgerDep = Annotated[Ledger, Depends(ledger_of)]
 
 
-def ledger_router() -> APIRouter:
-    """A router for one family of ``/ledger/v1`` routes."""
-    return APIRouter(prefix="/ledger/v1", responses=COMMON_ERRORS, route_class=BoundedJsonRoute)
+def ledger_router(scope: str) -> APIRouter:
+    """A router for one family of ``/ledger/v1`` routes: each of its routes is tagged with
+    ``scope`` and needs a token with that scope."""
+    return APIRouter(
+        prefix="/ledger/v1",
+        tags=[scope],
+        dependencies=[Depends(require(scope))],
+        responses=COMMON_ERRORS,
+        route_class=BoundedJsonRoute,
+    )

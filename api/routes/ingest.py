@@ -6,9 +6,8 @@ import logging
 import time
 from typing import Any
 
-from fastapi import Depends, Request, Response
+from fastapi import Request, Response
 
-from api.auth import require
 from api.limits import check_record_tokens
 from api.metrics import incomplete_label
 from api.routes.common import CallId, LedgerDep, RolloutId, ledger_router
@@ -35,15 +34,13 @@ from ledger.wire import decode_record, pack_b64_ids, unpack_b64_ids
 
 log = logging.getLogger("rollout_ledger.api.ledger")
 
-router = ledger_router()
+router = ledger_router("ingest")
 
 
 @router.post(
     "/rollouts/{rollout_id}/calls/{model_call_id}/intent",
     response_model=IntentOut,
     status_code=201,
-    tags=["ingest"],
-    dependencies=[Depends(require("ingest"))],
     responses={200: {"model": IntentOut, "description": "Already registered."}},
 )
 async def begin_call(
@@ -60,12 +57,7 @@ async def begin_call(
     return IntentOut(created=created)
 
 
-@router.post(
-    "/rollouts/{rollout_id}/calls/{model_call_id}/cancel",
-    response_model=CancelOut,
-    tags=["ingest"],
-    dependencies=[Depends(require("ingest"))],
-)
+@router.post("/rollouts/{rollout_id}/calls/{model_call_id}/cancel", response_model=CancelOut)
 async def cancel_call(rollout_id: RolloutId, model_call_id: CallId, led: LedgerDep) -> CancelOut:
     """Close an intent for a call that ended without generating."""
     return CancelOut(cancelled=await led.cancel_call(rollout_id, model_call_id))
@@ -75,8 +67,6 @@ async def cancel_call(rollout_id: RolloutId, model_call_id: CallId, led: LedgerD
     "/rollouts/{rollout_id}/calls/{model_call_id}",
     response_model=PutOut,
     status_code=201,
-    tags=["ingest"],
-    dependencies=[Depends(require("ingest"))],
     responses={
         200: {"model": PutOut, "description": "Byte-identical repeat: nothing changed."},
         409: {"description": "Different payload for this call id, or the rollout is frozen."},
@@ -144,12 +134,7 @@ async def put_call(
     )
 
 
-@router.post(
-    "/rollouts/{rollout_id}/incomplete",
-    response_model=VersionOut,
-    tags=["ingest"],
-    dependencies=[Depends(require("ingest"))],
-)
+@router.post("/rollouts/{rollout_id}/incomplete", response_model=VersionOut)
 async def mark_incomplete(
     rollout_id: RolloutId, body: IncompleteBody, led: LedgerDep, request: Request
 ) -> VersionOut:
@@ -172,12 +157,7 @@ async def mark_incomplete(
     return VersionOut(version=version)
 
 
-@router.post(
-    "/rollouts/{rollout_id}/lineage/resolve",
-    response_model=ResolveOut,
-    tags=["ingest"],
-    dependencies=[Depends(require("ingest"))],
-)
+@router.post("/rollouts/{rollout_id}/lineage/resolve", response_model=ResolveOut)
 async def resolve(rollout_id: RolloutId, body: ResolveBody, led: LedgerDep) -> ResolveOut:
     """The proven parent of a candidate prompt and its exact cumulative tokens."""
     prompt = (
@@ -199,12 +179,7 @@ async def resolve(rollout_id: RolloutId, body: ResolveBody, led: LedgerDep) -> R
     )
 
 
-@router.post(
-    "/rollouts/{rollout_id}/lineage/resolve-request",
-    response_model=ResolveRequestOut,
-    tags=["ingest"],
-    dependencies=[Depends(require("ingest"))],
-)
+@router.post("/rollouts/{rollout_id}/lineage/resolve-request", response_model=ResolveRequestOut)
 async def resolve_request(
     rollout_id: RolloutId, body: ResolveRequestBody, led: LedgerDep
 ) -> ResolveRequestOut:
@@ -223,8 +198,6 @@ async def resolve_request(
     "/rollouts/{rollout_id}/custody/records",
     response_model=CustodyRecordOut,
     status_code=201,
-    tags=["ingest"],
-    dependencies=[Depends(require("ingest"))],
     responses={
         200: {"model": CustodyRecordOut, "description": "Identical repeat: nothing changed."},
         409: {"description": "This call id was recorded with different data."},
@@ -244,12 +217,7 @@ async def custody_record(
     return CustodyRecordOut(created=created)
 
 
-@router.post(
-    "/rollouts/{rollout_id}/custody/failures",
-    status_code=204,
-    tags=["ingest"],
-    dependencies=[Depends(require("ingest"))],
-)
+@router.post("/rollouts/{rollout_id}/custody/failures", status_code=204)
 async def custody_record_failure(
     rollout_id: RolloutId, body: CustodyFailureBody, led: LedgerDep
 ) -> Response:
@@ -260,11 +228,7 @@ async def custody_record_failure(
     return Response(status_code=204)
 
 
-@router.get(
-    "/rollouts/{rollout_id}/custody/manifest",
-    tags=["ingest"],
-    dependencies=[Depends(require("ingest"))],
-)
+@router.get("/rollouts/{rollout_id}/custody/manifest")
 async def custody_manifest(rollout_id: RolloutId, led: LedgerDep) -> dict[str, Any]:
     """NeMo Gym 0.7.0 ``CaptureLedger.manifest``: the token-free ``RolloutManifest``."""
     from ledger import custody
@@ -272,12 +236,7 @@ async def custody_manifest(rollout_id: RolloutId, led: LedgerDep) -> dict[str, A
     return await custody.manifest(led, rollout_id)
 
 
-@router.get(
-    "/rollouts/{rollout_id}/custody/has-rows",
-    response_model=HasRowsOut,
-    tags=["ingest"],
-    dependencies=[Depends(require("ingest"))],
-)
+@router.get("/rollouts/{rollout_id}/custody/has-rows", response_model=HasRowsOut)
 async def custody_has_rows(rollout_id: RolloutId, led: LedgerDep) -> HasRowsOut:
     """NeMo Gym 0.7.0 ``CaptureLedger.has_rows``."""
     from ledger import custody

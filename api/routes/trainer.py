@@ -5,9 +5,8 @@ from __future__ import annotations
 import logging
 from typing import Annotated
 
-from fastapi import Depends, Path, Request, Response
+from fastapi import Path, Request, Response
 
-from api.auth import require
 from api.errors import error_response
 from api.limits import encode_entries_off_loop
 from api.routes.common import LedgerDep, RolloutId, ledger_router
@@ -24,15 +23,10 @@ from ledger.wire import TokenEncoding, finite_json
 
 log = logging.getLogger("rollout_ledger.api.ledger")
 
-router = ledger_router()
+router = ledger_router("trainer")
 
 
-@router.post(
-    "/rollouts/{rollout_id}/freeze",
-    response_model=SnapshotOut,
-    tags=["trainer"],
-    dependencies=[Depends(require("trainer"))],
-)
+@router.post("/rollouts/{rollout_id}/freeze", response_model=SnapshotOut)
 async def freeze(
     rollout_id: RolloutId,
     led: LedgerDep,
@@ -61,12 +55,7 @@ async def freeze(
     )
 
 
-@router.post(
-    "/finalize",
-    response_model=FinalizeOut,
-    tags=["trainer"],
-    dependencies=[Depends(require("trainer"))],
-)
+@router.post("/finalize", response_model=FinalizeOut)
 async def finalize(body: FinalizeBody, led: LedgerDep, request: Request) -> FinalizeOut:
     """Rebuild one rollout result: freeze, build, project, mask; returns result and build."""
     from ledger.delivery import finalize
@@ -85,8 +74,6 @@ async def finalize(body: FinalizeBody, led: LedgerDep, request: Request) -> Fina
 @router.post(
     "/rollouts/{rollout_id}/retire",
     response_model=RetireOut,
-    tags=["trainer"],
-    dependencies=[Depends(require("trainer"))],
     responses={
         200: {
             "model": RetireOut,
@@ -148,12 +135,7 @@ async def retire(
     )
 
 
-@router.post(
-    "/deliveries/{delivery_id}/ack",
-    status_code=204,
-    tags=["trainer"],
-    dependencies=[Depends(require("trainer"))],
-)
+@router.post("/deliveries/{delivery_id}/ack", status_code=204)
 async def ack_delivery(
     delivery_id: Annotated[int, Path(ge=1, le=2**62)], body: AckBody, led: LedgerDep
 ) -> Response:

