@@ -9,7 +9,9 @@ the drivers or HTTP clients it does not need.
 - Gym classes (``token_id_capture.sink: ledger.gym:CaptureSink`` …): ``CaptureSink``,
   ``CaptureSource``, ``CaptureLineageStore``; 0.7.0's lineage answer ``LineageResolution`` /
   ``LineageMatch`` and ``stamp_continuation``;
-- the trainer side: ``finalize_rollout_token_capture``, ``retire_rollout_token_capture``;
+- the trainer side: ``finalize_rollout_token_capture``, ``retire_rollout_token_capture`` (Gym's
+  dict answers), the typed ``Build`` they convert from, and the ``TokenSource`` protocol any
+  source of frozen entries meets;
 - the ledger itself: ``Ledger`` (SQL), ``RemoteLedger`` (HTTP);
 - ``run_conformance`` / ``ConformanceError``;
 - the error tree, rooted at ``LedgerError`` (``ledger.errors`` draws it).
@@ -49,9 +51,11 @@ if _typing.TYPE_CHECKING:
     from ledger.gym_lineage import LineageMatch, LineageResolution, stamp_continuation
     from ledger.records import ParentResolutionStatus, TokenEntry
     from ledger.store import Ledger
+    from ledger.types import Build, TokenSource
 
 __all__ = [
     "AccessDenied",
+    "Build",
     "BuildError",
     "BuildInputError",
     "CaptureFailed",
@@ -78,6 +82,7 @@ __all__ = [
     "StaleSnapshot",
     "StateConflict",
     "TokenEntry",
+    "TokenSource",
     "Unavailable",
     "UnsupportedSchemaVersion",
     "finalize_rollout_token_capture",
@@ -87,6 +92,7 @@ __all__ = [
 ]
 
 _LAZY = {
+    "Build": "ledger.types",
     "CaptureLineageStore": "ledger.gym",
     "CaptureSink": "ledger.gym",
     "CaptureSource": "ledger.gym",
@@ -96,6 +102,7 @@ _LAZY = {
     "ParentResolutionStatus": "ledger.records",
     "RemoteLedger": "ledger.client",
     "TokenEntry": "ledger.records",
+    "TokenSource": "ledger.types",
     "finalize_rollout_token_capture": "ledger.delivery",
     "retire_rollout_token_capture": "ledger.delivery",
     "run_conformance": "ledger.conformance",
