@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import sqlite3
 from collections.abc import Callable
 
 import pytest
 import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
-from ledger.errors import InvalidInput
+from ledger.errors import InvalidInput, Unavailable
 from ledger.storage.queries import deliveries
-from ledger.storage.translate import REFUSED_BY, constraint_name
+from ledger.storage.translate import REFUSED_BY, _translate_error, constraint_name
 from ledger.store import Ledger
 from ledger.tables import Base
 
@@ -34,6 +35,21 @@ def test_constraint_name_reads_sqlite_messages() -> None:
     unique = Exception("UNIQUE constraint failed: calls.rollout_id, calls.model_call_id")
     assert constraint_name(unique) == "uq_calls_rollout_id_model_call_id"
     assert constraint_name(Exception("NOT NULL constraint failed: calls.model")) is None
+
+
+def test_raw_sqlite_errors_of_the_group_commit_writer_are_translated() -> None:
+    """The writer runs its own ``BEGIN IMMEDIATE`` on the raw ``sqlite3`` connection: a lock
+    it cannot get is the database being unavailable (the proxy answers 503), a violated
+    constraint is a refusal by name, anything else stays what it is (a bug is not hidden)."""
+    locked = _translate_error(sqlite3.OperationalError("database is locked"))
+    assert isinstance(locked, Unavailable)
+    unique = sqlite3.IntegrityError(
+        "UNIQUE constraint failed: calls.rollout_id, calls.model_call_id"
+    )
+    refused = _translate_error(unique)
+    assert isinstance(refused, InvalidInput)
+    misuse = sqlite3.ProgrammingError("Cannot operate on a closed database.")
+    assert _translate_error(misuse) is misuse
 
 
 async def test_a_check_violation_is_named(ledger: Ledger, rid: Rid) -> None:

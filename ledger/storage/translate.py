@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import sqlite3
 
 from sqlalchemy.exc import DataError, DBAPIError, IntegrityError, OperationalError
 
@@ -29,6 +30,12 @@ def _translate_error(exc: Exception) -> Exception:
     if isinstance(exc, IntegrityError | DataError):
         return _refusal(exc, exc.orig)
     if isinstance(exc, OperationalError | DBAPIError | OSError | ConnectionError):
+        return Unavailable(f"ledger database unavailable: {exc}")
+    # The group-commit writer runs the hot path on the raw ``sqlite3`` connection (its own
+    # ``BEGIN IMMEDIATE``), so SQLite's errors also arrive unwrapped.
+    if isinstance(exc, sqlite3.IntegrityError | sqlite3.DataError):
+        return _refusal(exc, exc)
+    if isinstance(exc, sqlite3.OperationalError):
         return Unavailable(f"ledger database unavailable: {exc}")
     # asyncpg raises its own connection errors outside SQLAlchemy's wrapping on connect.
     if type(exc).__module__.startswith("asyncpg"):
