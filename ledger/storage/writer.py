@@ -286,37 +286,27 @@ class _Replay(Exception):
     """A write failed after changing rows: roll the batch back and rerun it with savepoints."""
 
 
+def _settle(outcomes: list[_Outcome]) -> None:
+    """Set each caller's future (on the caller's own loop); a future already done is left."""
+    for job, value, error in outcomes:
+        fut = job[1]
+        if fut.done():
+            continue
+        if error is not None:
+            fut.set_exception(error)
+        else:
+            fut.set_result(value)
+
+
 def _resolve_all(outcomes: list[_Outcome]) -> None:
     """Settle outcomes with one wake-up of each caller's loop (not one per write)."""
     by_loop: dict[asyncio.AbstractEventLoop, list[_Outcome]] = {}
     for out in outcomes:
         by_loop.setdefault(out[0][2], []).append(out)
     for loop, outs in by_loop.items():
-
-        def settle(outs: list[_Outcome] = outs) -> None:
-            for job, value, error in outs:
-                fut = job[1]
-                if fut.done():
-                    continue
-                if error is not None:
-                    fut.set_exception(error)
-                else:
-                    fut.set_result(value)
-
         with contextlib.suppress(RuntimeError):  # the caller's loop is gone: nobody is waiting
-            loop.call_soon_threadsafe(settle)
+            loop.call_soon_threadsafe(_settle, outs)
 
 
 def _resolve(job: _Job, value: Any, error: BaseException | None) -> None:
-    _body, fut, loop, _flush, _raw = job
-
-    def settle() -> None:
-        if fut.done():
-            return
-        if error is not None:
-            fut.set_exception(error)
-        else:
-            fut.set_result(value)
-
-    with contextlib.suppress(RuntimeError):  # the caller's loop is gone: nobody is waiting
-        loop.call_soon_threadsafe(settle)
+    _resolve_all([(job, value, error)])
