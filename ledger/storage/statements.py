@@ -249,4 +249,29 @@ _ALL += [
     ),
 ]
 
+# The retry key of an open intent's failed-attempt note (``extra.failed_attempt.retry_key``),
+# when it is a JSON string; NULL otherwise (SQLite: also for text that is not JSON).
+_SETTLE_WHERE = "rollout_id = ? AND status = 'intent' AND extra IS NOT NULL AND {key} = ?"
+_SQLITE_KEY = (
+    "CASE WHEN json_valid(extra) THEN "
+    "CASE WHEN json_type(extra, '$.failed_attempt.retry_key') = 'text' "
+    "THEN json_extract(extra, '$.failed_attempt.retry_key') END END"
+)
+_PG_KEY = (
+    "CASE WHEN json_typeof(extra -> 'failed_attempt' -> 'retry_key') = 'string' "
+    "THEN extra -> 'failed_attempt' ->> 'retry_key' END"
+)
+_SETTLE = "UPDATE calls SET status = 'cancelled' WHERE {where} RETURNING model_call_id"
+
+_ALL += [
+    Statement(
+        "settle_failed",
+        "Cancel the rollout's open failed attempts noted with this retry key (a successful "
+        "identical retry replaced them), in the record's own transaction; returns their call "
+        "ids.  Only open intents with a note are looked at (few; the (rollout, status) index).",
+        _SETTLE.format(where=_SETTLE_WHERE.format(key=_SQLITE_KEY)),
+        _pg(_SETTLE.format(where=_SETTLE_WHERE.format(key=_PG_KEY))),
+    ),
+]
+
 STATEMENTS: dict[str, Statement] = {s.name: s for s in _ALL}
