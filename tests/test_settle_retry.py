@@ -10,6 +10,7 @@ import sqlalchemy as sa
 
 from ledger.storage import queries
 from ledger.store import Ledger
+from tests.test_lineage import capture_sql
 from tests.test_promises import rec
 
 Rid = Callable[[str], str]
@@ -116,3 +117,16 @@ async def test_notes_of_another_shape_are_left_alone(ledger: Ledger, rid: Rid) -
     res = await ledger.put(rec(r, "ok", [1], [2]), settle_retry_key="123")
     assert (res.status, res.settled) == ("created", ())
     assert set((await statuses(ledger, r)).values()) == {"intent", "captured"}
+
+
+async def test_settling_is_one_statement_of_the_record(ledger: Ledger, rid: Rid) -> None:
+    """The common case (nothing failed) costs the record one update on its own driver: no
+    read or transaction of its own."""
+    r = rid("settlesql")
+    await ledger.begin_call(r, "ok")
+    with capture_sql(ledger) as seen:
+        res = await ledger.put(rec(r, "ok", [1, 2, 3], [4]), settle_retry_key=KEY)
+    assert (res.status, res.settled) == ("created", ())
+    settles = [s for s in seen if s.startswith("UPDATE calls SET status = 'cancelled'")]
+    assert len(settles) == 1
+    assert not [s for s in seen if "failed_attempt" in s and s not in settles]

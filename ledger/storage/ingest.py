@@ -9,7 +9,8 @@ connection (inside one transaction), so both dialects run the same logic and the
 Per call, typically: the intent is 2 statements (rollout state, intent row); the record is 6
 (rollout state with the call's row, parent candidates, the record over its intent, its tokens,
 its lineage edge, the version bump), plus one read of the parent's generation when the digest
-cache did not see the parent written.
+cache did not see the parent written, and, for a proxied call, one update that cancels the
+failed attempts of the same request (usually none) under the same lock.
 """
 
 from __future__ import annotations
