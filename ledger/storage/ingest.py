@@ -340,18 +340,19 @@ def put_steps(
             now,
             parent is not None,
         )
+        settle = (rid, settle_key, now, rid)  # settle_key None: nothing matches
         if call_pk is None:
-            rows = yield ("record_insert_all", (rid, cid, now, *values, *tokens, *edge, now, rid))
+            rows = yield ("record_insert_all", (rid, cid, now, *values, *tokens, *edge, *settle))
         else:
             rows = yield (
                 "record_over_intent_all",
-                (*values, int(call_pk), *tokens, *edge, now, rid),
+                (*values, int(call_pk), *tokens, *edge, *settle),
             )
         version, pk = int(rows[0][0]), int(rows[0][1])
+        settled = None if settle_key is None else tuple(str(c) for c in rows[0][2])
         if request_fingerprint:
             yield from diagnose_drift(rid, pk, prep.prompt, parent, request_fingerprint, now)
         yield from record_parent_mismatch(rid, pk, prep, parent, now)
-        settled = None if settle_key is None else (yield from settle_failed(rid, settle_key))
         return Outcome("created", version, pk, parent, is_delta, settled=settled)
     if call_pk is None:
         rows = yield ("record_insert", (rid, cid, now, *values))
