@@ -145,19 +145,11 @@ async def capture(
         unproven = await _prove_prefix(ledger, ctx, plan, answer, upstream)
         if unproven is not None:
             return unproven
-    # The record and the cancelling of earlier failed attempts of this same request (a read
-    # when there are none, the common case) are independent: both finish before the answer,
-    # side by side rather than one after the other.
-    recorded, settled = await asyncio.gather(
-        _record(request, ctx, upstream, answer, ledger, metrics),
-        _settle_retried(ledger, ctx),
-        return_exceptions=True,  # each runs to its end before anything is raised
-    )
-    for outcome in (recorded, settled):
-        if isinstance(outcome, BaseException):
-            raise outcome
-    assert isinstance(recorded, StrippedResponse)
-    stripped = recorded
+    # The record's transaction also cancels earlier failed attempts of this same request;
+    # when the record was not stored (extraction or capture failed), they are cancelled on
+    # their own, still before the answer.
+    stripped, settled = await _record(request, ctx, upstream, answer, ledger, metrics)
+    await _settle_retried(ledger, ctx, settled)
     try:
         response = harness_answer(handler, upstream, stripped.harness_body, body)
     except Exception as exc:  # a 200 without a usable choice: an upstream error, not ours
@@ -315,13 +307,18 @@ async def _failed_attempt(ledger: Ledger, ctx: CallContext, detail: str) -> None
         await _settle(ledger, ctx, "upstream_error", detail)
 
 
-async def _settle_retried(ledger: Ledger, ctx: CallContext) -> None:
-    """This call succeeded: earlier failed attempts of the same request are cancelled."""
-    try:
-        settled = await ledger.settle_failed_attempts(ctx.rollout_id, ctx.retry_key)
-    except LedgerError as exc:  # they stay open and mask at freeze: safe
-        log.warning("could not settle retried attempts rollout=%s: %s", ctx.rollout_id, exc)
-        return
+async def _settle_retried(
+    ledger: Ledger, ctx: CallContext, settled: tuple[str, ...] | None
+) -> None:
+    """This call succeeded: earlier failed attempts of the same request are cancelled, by the
+    record's transaction (``settled``: what it cancelled) or, when the record was not stored
+    (None), here."""
+    if settled is None:
+        try:
+            settled = tuple(await ledger.settle_failed_attempts(ctx.rollout_id, ctx.retry_key))
+        except LedgerError as exc:  # they stay open and mask at freeze: safe
+            log.warning("could not settle retried attempts rollout=%s: %s", ctx.rollout_id, exc)
+            return
     if settled:
         ctx.metrics.retried_attempts.inc(len(settled))
         log.info("rollout=%s retried attempts cancelled: %s", ctx.rollout_id, settled)
@@ -385,8 +382,11 @@ async def _record(
     answer: dict[str, Any],
     ledger: Ledger,
     metrics: Metrics,
-) -> StrippedResponse:
-    """Extract, cross-check and commit the call's record; never raises."""
+) -> tuple[StrippedResponse, tuple[str, ...] | None]:
+    """Extract, cross-check and commit the call's record; never raises.  Also returns the
+    failed attempts of the same request the record's transaction cancelled (None: it did not
+    commit)."""
+    settled: tuple[str, ...] | None = None
     chat = HANDLERS[upstream.dialect].chat_answer
     strip = strip_chat_response if chat else strip_completion_response
     stripped = strip(answer, keep_logprobs=upstream.keep_logprobs)
@@ -400,11 +400,11 @@ async def _record(
             payload = await _tokenize(request, upstream, payload, answer)
     except TokenExtractionError as exc:
         await _settle(ledger, ctx, exc.reason, str(exc))
-        return stripped
+        return stripped, None
     except Exception as exc:  # a capture bug must not fail the model call (§4.9)
         log.exception("extraction failed rollout=%s call=%s", ctx.rollout_id, ctx.model_call_id)
         await _settle(ledger, ctx, "capture_failed", f"{type(exc).__name__}: {exc}")
-        return stripped
+        return stripped, None
     if chat:
         stripped = _as_response_items(stripped)
     record = _entry(ctx, payload, stripped, answer)
@@ -418,7 +418,9 @@ async def _record(
             route=ctx.route,
             request_fingerprint=ctx.request_fingerprint,
             continuation_fingerprint=cont,
+            settle_retry_key=ctx.retry_key,
         )
+        settled = result.settled
         log.info(
             "captured rollout=%s call=%s dialect=%s prompt=%d gen=%d parent=%s",
             ctx.rollout_id,
@@ -436,7 +438,7 @@ async def _record(
         if not isinstance(exc, LedgerError):
             log.exception("record failed rollout=%s call=%s", ctx.rollout_id, ctx.model_call_id)
         await _settle(ledger, ctx, "capture_failed", f"{type(exc).__name__}: {exc}")
-    return stripped
+    return stripped, settled
 
 
 def _token_count(answer: Mapping[str, Any]) -> int:

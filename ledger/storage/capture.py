@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
-import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from ledger.errors import (
@@ -18,7 +17,6 @@ from ledger.storage import ingest
 from ledger.storage.core import (
     _OFFLOAD_TOKENS,
     C,
-    _failed_attempt,
     _storable_call_id,
     _validate_reason,
 )
@@ -76,31 +74,15 @@ class CaptureOps(LineageOps):
 
     async def settle_failed_attempts(self, rollout_id: str, retry_key: str) -> list[str]:
         """Cancel the open failed attempts a successful retry with ``retry_key`` replaced (they
-        produced nothing the harness saw); returns their call ids."""
+        produced nothing the harness saw); returns their call ids.
+
+        ``put(settle_retry_key=...)`` does the same inside the record's own transaction; this
+        is for a successful retry whose record was not stored."""
         validate_rollout_id(rollout_id)
-        open_noted = (C.c.rollout_id == rollout_id, C.c.status == "intent", C.c.extra.is_not(None))
-        # A plain read first: the common case (nothing failed) costs no write transaction.
-        async with self._read() as conn:
-            if (await conn.execute(sa.select(C.c.id).where(*open_noted).limit(1))).first() is None:
-                return []
-
-        def body(conn: Connection) -> list[str]:
-            state = self._lock_rollout(conn, rollout_id)
-            if state.state != "open":
-                return []
-            rows = conn.execute(
-                sa.select(C.c.id, C.c.model_call_id, C.c.extra).where(*open_noted)
-            ).all()
-            settled = [r for r in rows if _failed_attempt(r.extra).get("retry_key") == retry_key]
-            if settled:
-                conn.execute(
-                    C.update()
-                    .where(C.c.id.in_([r.id for r in settled]), C.c.status == "intent")
-                    .values(status="cancelled")
-                )
-            return [r.model_call_id for r in settled]
-
-        return await self._transact(body)
+        settled: tuple[str, ...] = await self._run_steps(
+            lambda folded: ingest.settle_steps(rollout_id, retry_key, folded=folded)
+        )
+        return list(settled)
 
     async def _update_open_intent(
         self, rollout_id: str, model_call_id: str, what: str, **values: Any
@@ -131,12 +113,17 @@ class CaptureOps(LineageOps):
         route: str | None = None,
         request_fingerprint: str = "",
         continuation_fingerprint: str = "",
+        settle_retry_key: str | None = None,
     ) -> PutResult:
         """Commit one call record with its proven lineage edge before returning (§4.1 to §4.3).
 
         A byte-identical repeat is a no-op; the same call id with other bytes is refused, marks
         the rollout incomplete and leaves the first record unchanged; a new record after freeze
         or anything after retire is refused.
+
+        ``settle_retry_key``: this record answers a successful retry; in the same transaction
+        the rollout's open failed attempts noted with that retry key are cancelled (as
+        :meth:`settle_failed_attempts`), listed in ``PutResult.settled``.
         """
         entry = coerce_entry(entry)
         prep: ingest.Prepared | None = None
@@ -164,6 +151,7 @@ class CaptureOps(LineageOps):
                 delta_records=self.delta_records,
                 now=now,
                 folded=folded,
+                settle_key=settle_retry_key,
             )
         )
         if out.deferred is not None:
@@ -177,6 +165,7 @@ class CaptureOps(LineageOps):
             parent.model_call_id if parent else None,
             out.prompt_is_delta,
             parent.method if parent else None,
+            out.settled,
         )
 
     async def mark_incomplete(

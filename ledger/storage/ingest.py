@@ -9,7 +9,8 @@ connection (inside one transaction), so both dialects run the same logic and the
 Per call, typically: the intent is 2 statements (rollout state, intent row); the record is 6
 (rollout state with the call's row, parent candidates, the record over its intent, its tokens,
 its lineage edge, the version bump), plus one read of the parent's generation when the digest
-cache did not see the parent written.
+cache did not see the parent written, and, for a proxied call, one update that cancels the
+failed attempts of the same request (usually none) under the same lock.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ __all__ = [
     "put_steps",
     "run_postgres",
     "run_sqlite",
+    "settle_failed",
+    "settle_steps",
     "sqlite_now",
 ]
 
@@ -186,6 +189,8 @@ class Outcome:
     parent: Parent | None = None
     prompt_is_delta: bool = False
     deferred: LedgerError | None = None
+    # The failed attempts this record's transaction cancelled (None: none were looked for).
+    settled: tuple[str, ...] | None = None
 
 
 # --------------------------------------------------------------------------- steps
@@ -243,10 +248,15 @@ def put_steps(
     delta_records: bool,
     now: Any,
     folded: bool = False,
+    settle_key: str | None = None,
 ) -> Steps:
     """Commit one record with its proven lineage edge (design §4.1-4.3, §5.3).
 
-    ``folded`` (Postgres): the record's writes go in one statement (one round trip)."""
+    ``folded`` (Postgres): the record's writes go in one statement (one round trip).
+    ``settle_key``: the record answers a request whose earlier attempts may have failed; the
+    rollout's open failed attempts noted with this retry key are cancelled in the same
+    transaction, under the same lock (when the record is stored or is an identical repeat in
+    an open rollout), and returned in ``Outcome.settled``."""
     e = prep.entry
     rid, cid = e.rollout_id, e.model_call_id
     decision = recorded_decision(e)
@@ -261,7 +271,10 @@ def put_steps(
     recorded = None if rows[0][5] is None else rows[0][5:9]
     if state != "retired" and call_pk is not None and status == "captured":
         if stored_digest == prep.digest:
-            return Outcome("duplicate", int(version))
+            settled = None
+            if settle_key is not None and state == "open":
+                settled = yield from settle_failed(rid, settle_key)
+            return Outcome("duplicate", int(version), settled=settled)
         if state == "open":
             detail = f"model call id {cid!r} was reused with a different payload"
             yield ("incomplete_insert", (rid, cid, "conflicting_payload", detail[:4000], now))
@@ -327,18 +340,20 @@ def put_steps(
             now,
             parent is not None,
         )
+        settle = (rid, settle_key, now, rid)  # settle_key None: nothing matches
         if call_pk is None:
-            rows = yield ("record_insert_all", (rid, cid, now, *values, *tokens, *edge, now, rid))
+            rows = yield ("record_insert_all", (rid, cid, now, *values, *tokens, *edge, *settle))
         else:
             rows = yield (
                 "record_over_intent_all",
-                (*values, int(call_pk), *tokens, *edge, now, rid),
+                (*values, int(call_pk), *tokens, *edge, *settle),
             )
         version, pk = int(rows[0][0]), int(rows[0][1])
+        settled = None if settle_key is None else tuple(str(c) for c in rows[0][2])
         if request_fingerprint:
             yield from diagnose_drift(rid, pk, prep.prompt, parent, request_fingerprint, now)
         yield from record_parent_mismatch(rid, pk, prep, parent, now)
-        return Outcome("created", version, pk, parent, is_delta)
+        return Outcome("created", version, pk, parent, is_delta, settled=settled)
     if call_pk is None:
         rows = yield ("record_insert", (rid, cid, now, *values))
         pk = int(rows[0][0])
@@ -354,7 +369,24 @@ def put_steps(
     yield from diagnose_drift(rid, pk, prep.prompt, parent, request_fingerprint, now)
     yield from record_parent_mismatch(rid, pk, prep, parent, now)
     rows = yield ("bump", (now, rid))
-    return Outcome("created", int(rows[0][0]), pk, parent, is_delta)
+    settled = None if settle_key is None else (yield from settle_failed(rid, settle_key))
+    return Outcome("created", int(rows[0][0]), pk, parent, is_delta, settled=settled)
+
+
+def settle_steps(rollout_id: str, retry_key: str, *, folded: bool = False) -> Steps:
+    """On its own: lock the rollout and, when it is open, cancel the failed attempts noted with
+    ``retry_key``; returns their call ids."""
+    rows = yield ("rollout_state", (rollout_id,))
+    if not rows or rows[0][0] != "open":
+        return ()
+    return (yield from settle_failed(rollout_id, retry_key))
+
+
+def settle_failed(rollout_id: str, retry_key: str) -> Steps:
+    """Cancel the open failed attempts noted with ``retry_key`` (inside a transaction that
+    holds the rollout's lock and found it open); returns their call ids."""
+    rows = yield ("settle_failed", (rollout_id, retry_key))
+    return tuple(str(r[0]) for r in rows)
 
 
 def parent_for(

@@ -38,6 +38,9 @@ class PutResult:
     parent_call_id: str | None = None
     prompt_is_delta: bool = False
     edge_method: str | None = None
+    # ``put(settle_retry_key=...)``: the failed attempts its transaction cancelled (None: not
+    # asked, or the record was refused).
+    settled: tuple[str, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

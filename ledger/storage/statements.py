@@ -200,6 +200,20 @@ _ALL = [
     ),
 ]
 
+# The retry key of an open intent's failed-attempt note (``extra.failed_attempt.retry_key``),
+# when it is a JSON string; NULL otherwise (SQLite: also for text that is not JSON).
+_SETTLE_WHERE = "rollout_id = ? AND status = 'intent' AND extra IS NOT NULL AND {key} = ?"
+_SQLITE_KEY = (
+    "CASE WHEN json_valid(extra) THEN "
+    "CASE WHEN json_type(extra, '$.failed_attempt.retry_key') = 'text' "
+    "THEN json_extract(extra, '$.failed_attempt.retry_key') END END"
+)
+_PG_KEY = (
+    "CASE WHEN json_typeof(extra -> 'failed_attempt' -> 'retry_key') = 'string' "
+    "THEN extra -> 'failed_attempt' ->> 'retry_key' END"
+)
+_SETTLE = "UPDATE calls SET status = 'cancelled' WHERE {where} RETURNING model_call_id"
+
 # Postgres only: every write of a record in one statement (one round trip instead of four).
 _PG_TOKENS_EDGE_BUMP = """
     t AS (
@@ -213,26 +227,37 @@ _PG_TOKENS_EDGE_BUMP = """
                                  created_at)
       SELECT ?::varchar, c.id, ?::bigint, ?::varchar, 'verified', ?::int, ?::timestamptz
       FROM c WHERE ?::boolean
+    ),
+    s AS (
+      UPDATE calls SET status = 'cancelled'
+      WHERE rollout_id = ?::varchar AND status = 'intent' AND extra IS NOT NULL
+        AND {pg_key} = ?::varchar AND id NOT IN (SELECT id FROM c)
+      RETURNING model_call_id
     )
     UPDATE rollouts SET version = version + 1, updated_at = ?
-    WHERE rollout_id = ? RETURNING version, (SELECT id FROM c)"""
+    WHERE rollout_id = ?
+    RETURNING version, (SELECT id FROM c), ARRAY(SELECT model_call_id FROM s)"""
 
 _ALL += [
     _pg_only(
         "record_over_intent_all",
-        "Postgres: the record over its intent, its tokens, its verified edge (if any) and the "
-        "version bump, in one statement; returns the version and the call's id.",
+        "Postgres: the record over its intent, its tokens, its verified edge (if any), the "
+        "cancelling of failed attempts with the retry key (if one is given; see settle_failed) "
+        "and the version bump, in one statement; returns the version, the call's id and the "
+        "cancelled call ids.",
         f"WITH c AS (UPDATE calls SET status = 'captured', {_CALL_SET} WHERE id = ? RETURNING id),"
-        + _PG_TOKENS_EDGE_BUMP,
+        + _PG_TOKENS_EDGE_BUMP.format(pg_key=_PG_KEY),
     ),
     _pg_only(
         "record_insert_all",
-        "Postgres: a record without intent, its tokens, its verified edge (if any) and the "
-        "version bump, in one statement; returns the version and the call's id.",
+        "Postgres: a record without intent, its tokens, its verified edge (if any), the "
+        "cancelling of failed attempts with the retry key (if one is given; see settle_failed) "
+        "and the version bump, in one statement; returns the version, the call's id and the "
+        "cancelled call ids.",
         f"""WITH c AS (
               INSERT INTO calls (rollout_id, model_call_id, status, registered_at, {_CALL_COLUMNS})
               VALUES (?, ?, 'captured', ?, {_CALL_VALUES}) RETURNING id),"""
-        + _PG_TOKENS_EDGE_BUMP,
+        + _PG_TOKENS_EDGE_BUMP.format(pg_key=_PG_KEY),
     ),
     _pg_only(
         "intent_register",
@@ -246,6 +271,17 @@ _ALL += [
              FROM r WHERE r.state = 'open'
              ON CONFLICT (rollout_id, model_call_id) DO NOTHING RETURNING id)
            SELECT r.state, (SELECT count(*) FROM ins) FROM r""",
+    ),
+]
+
+_ALL += [
+    Statement(
+        "settle_failed",
+        "Cancel the rollout's open failed attempts noted with this retry key (a successful "
+        "identical retry replaced them), in the record's own transaction; returns their call "
+        "ids.  Only open intents with a note are looked at (few; the (rollout, status) index).",
+        _SETTLE.format(where=_SETTLE_WHERE.format(key=_SQLITE_KEY)),
+        _pg(_SETTLE.format(where=_SETTLE_WHERE.format(key=_PG_KEY))),
     ),
 ]
 
