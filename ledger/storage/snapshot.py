@@ -440,9 +440,7 @@ def _edges_and_reasons() -> Any:
         E.c.shared_len,
         no_str.label("reason"),
     ).where(E.c.rollout_id == rollout_id)
-    distinct = (
-        sa.select(IE.c.reason).where(IE.c.rollout_id == rollout_id).distinct().subquery("r")
-    )
+    distinct = sa.select(IE.c.reason).where(IE.c.rollout_id == rollout_id).distinct().subquery("r")
     reasons = sa.select(
         sa.literal(1, sa.Integer()),
         no_int,
