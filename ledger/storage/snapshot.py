@@ -373,37 +373,25 @@ def _replay_chain(rows: Sequence[Any]) -> list[ChainLinkTokens]:
 
 def _chain_query() -> Any:
     """The chain ending at ``:call_id`` in rollout ``:rollout_id``, root first: one recursive
-    query walking ``parent_call_id`` (built once; only its parameters change)."""
-    rollout_id = sa.bindparam("rollout_id", type_=sa.String())
-    call_id = sa.bindparam("call_id", type_=sa.String())
-    base = sa.select(C.c.id, C.c.parent_call_id, sa.literal(0).label("depth")).where(
-        C.c.rollout_id == rollout_id, C.c.model_call_id == call_id
-    )
-    chain = base.cte("chain", recursive=True)
-    parent = C.alias("p")
-    step = sa.select(parent.c.id, parent.c.parent_call_id, chain.c.depth + 1).where(
-        parent.c.rollout_id == rollout_id,
-        parent.c.model_call_id == chain.c.parent_call_id,
-        chain.c.depth < 1_000_000,
-    )
-    chain = chain.union_all(step)
-    return (
-        sa.select(
-            C.c.model_call_id,
-            C.c.prompt_is_delta,
-            C.c.cumulative_len,
-            C.c.cumulative_digest,
-            _json_text(C.c.output_items),
-            C.c.token_item_index,
-            T.c.ids_codec,
-            T.c.prompt_ids,
-            T.c.generation_ids,
-            T.c.log_probs,
-            T.c.log_prob_codec,
-            _json_text(T.c.routed_experts),
-        )
-        .select_from(chain.join(C, C.c.id == chain.c.id).join(T, T.c.call_id == C.c.id))
-        .order_by(chain.c.depth.desc())
+    query walking ``parent_call_id``.  Plain SQL both dialects run as written (compiling the
+    recursive CTE from Core cost milliseconds on each engine's first build); JSON columns come
+    back as their stored text."""
+    c, t = C.name, T.name
+    return sa.text(
+        f"WITH RECURSIVE chain(id, parent_call_id, depth) AS ("
+        f"SELECT id, parent_call_id, 0 FROM {c} "
+        f"WHERE rollout_id = :rollout_id AND model_call_id = :call_id "
+        f"UNION ALL SELECT p.id, p.parent_call_id, chain.depth + 1 FROM {c} AS p, chain "
+        f"WHERE p.rollout_id = :rollout_id AND p.model_call_id = chain.parent_call_id "
+        f"AND chain.depth < 1000000) "
+        f"SELECT k.model_call_id, k.prompt_is_delta, k.cumulative_len, k.cumulative_digest, "
+        f"CAST(k.output_items AS TEXT) AS output_items, k.token_item_index, v.ids_codec, "
+        f"v.prompt_ids, v.generation_ids, v.log_probs, v.log_prob_codec, "
+        f"CAST(v.routed_experts AS TEXT) AS routed_experts "
+        f"FROM chain JOIN {c} AS k ON k.id = chain.id JOIN {t} AS v ON v.call_id = k.id "
+        f"ORDER BY chain.depth DESC"
+    ).bindparams(
+        sa.bindparam("rollout_id", type_=sa.String()), sa.bindparam("call_id", type_=sa.String())
     )
 
 
