@@ -8,7 +8,10 @@ serialise at BEGIN instead of deadlocking on a lock upgrade mid-transaction.
 
 Postgres: READ COMMITTED, with every write taking the rollout row's lock (``SELECT … FOR
 UPDATE``) first; ``lock_timeout`` and ``statement_timeout`` bound how long a stuck peer can hold
-a worker.
+a worker.  A pooled connection is pinged before use only when it sat idle in the pool for
+``PG_PING_IDLE_S`` or longer (a dead one is replaced, as SQLAlchemy's ``pool_pre_ping`` would):
+``pool_pre_ping`` pings on every checkout, three round trips on asyncpg (BEGIN, the ping,
+ROLLBACK), nine per build of a rollout, for connections that were in use a moment ago.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import os
 import time
 from typing import Any
 
-from sqlalchemy import create_engine, event
+from sqlalchemy import create_engine, event, exc
 from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
@@ -40,6 +43,9 @@ PG_STATEMENT_TIMEOUT_MS = int(os.environ.get("ROLLOUT_LEDGER_PG_STATEMENT_TIMEOU
 # Connections per process to Postgres: ``pool_size`` kept open, up to ``max_overflow`` more.
 PG_POOL_SIZE = int(os.environ.get("ROLLOUT_LEDGER_PG_POOL_SIZE", "10"))
 PG_MAX_OVERFLOW = int(os.environ.get("ROLLOUT_LEDGER_PG_MAX_OVERFLOW", "20"))
+# A pooled Postgres connection idle at least this long is pinged before it is handed out.
+PG_PING_IDLE_S = float(os.environ.get("ROLLOUT_LEDGER_PG_PING_IDLE_S", "5"))
+_IDLE_SINCE = "rollout_ledger_idle_since"
 
 
 def normalize_url(url: str | URL) -> URL:
@@ -155,10 +161,33 @@ def _postgres_engine(url: URL, **kwargs: Any) -> AsyncEngine:
     if "poolclass" not in kwargs:
         kwargs.setdefault("pool_size", PG_POOL_SIZE)
         kwargs.setdefault("max_overflow", PG_MAX_OVERFLOW)
-    kwargs.setdefault("pool_pre_ping", True)
-    return create_async_engine(
+    engine = create_async_engine(
         url,
         isolation_level="READ COMMITTED",
         connect_args={"server_settings": settings},
         **kwargs,
     )
+    if not kwargs.get("pool_pre_ping"):
+        _ping_when_idle(engine.sync_engine)
+    return engine
+
+
+def _ping_when_idle(engine: Engine) -> None:
+    """Ping a pooled connection at checkout only when it was idle ``PG_PING_IDLE_S`` or longer;
+    a failed ping makes the pool replace it (``DisconnectionError``: the pool retries the
+    checkout with a fresh connection).  A connection just opened is not pinged."""
+
+    @event.listens_for(engine, "checkin")
+    def _on_checkin(_dbapi_conn: Any, record: Any) -> None:
+        if record is not None:
+            record.info[_IDLE_SINCE] = time.monotonic()
+
+    @event.listens_for(engine, "checkout")
+    def _on_checkout(dbapi_conn: Any, record: Any, _proxy: Any) -> None:
+        since = record.info.get(_IDLE_SINCE)
+        if since is None or time.monotonic() - since < PG_PING_IDLE_S:
+            return
+        try:
+            dbapi_conn.ping()
+        except Exception as error:
+            raise exc.DisconnectionError(f"pooled connection failed its ping: {error}") from error

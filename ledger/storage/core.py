@@ -282,9 +282,16 @@ class LedgerCore:
                 yield conn
 
     def _lock_rollout(self, conn: Connection, rollout_id: str) -> RolloutState:
-        """Create the rollout row if needed and lock it for the rest of the transaction."""
-        conn.execute(queries.create_rollout(self.sql, rollout_id))
-        row = conn.execute(self.sql.for_update(queries.rollout_head(rollout_id))).one()
+        """Create the rollout row if needed and lock it for the rest of the transaction.
+
+        The row usually exists (freeze, delivery rows and retire come after ingest): it is
+        locked and read first, in one statement; only a missing row costs the insert and a
+        second locking read."""
+        head = self.sql.for_update(queries.rollout_head(rollout_id))
+        row = conn.execute(head).one_or_none()
+        if row is None:
+            conn.execute(queries.create_rollout(self.sql, rollout_id))
+            row = conn.execute(head).one()
         return _state_of(rollout_id, row)
 
     def _bump(self, conn: Connection, rollout_id: str, **values: Any) -> int:
