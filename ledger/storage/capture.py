@@ -13,10 +13,9 @@ from ledger.errors import (
 from ledger.gym_delta import materialize_delta
 from ledger.ids import validate_call_id, validate_rollout_id
 from ledger.records import TokenEntry, coerce_entry
-from ledger.storage import ingest
+from ledger.storage import ingest, queries
 from ledger.storage.core import (
     _OFFLOAD_TOKENS,
-    C,
     _storable_call_id,
     _validate_reason,
 )
@@ -93,15 +92,7 @@ class CaptureOps(LineageOps):
         def body(conn: Connection) -> bool:
             state = self._lock_rollout(conn, rollout_id)
             self._refuse_if_closed(state, what)
-            res = conn.execute(
-                C.update()
-                .where(
-                    C.c.rollout_id == rollout_id,
-                    C.c.model_call_id == model_call_id,
-                    C.c.status == "intent",
-                )
-                .values(**values)
-            )
+            res = conn.execute(queries.update_open_intent(rollout_id, model_call_id, **values))
             return bool(res.rowcount)
 
         return await self._transact(body)

@@ -35,13 +35,6 @@ from ledger.storage.tips import TipCache
 from ledger.storage.translate import _translate_error, _translate_pg_error
 from ledger.storage.writer import _GroupCommit
 
-# The tables under their former one-letter names, for the rooms that still build statements
-# inline (``capture``, ``snapshot``); new code uses ``ledger.storage.queries``.
-C = queries.calls
-T = queries.call_tokens
-E = queries.lineage_edges
-IE = queries.incomplete_events
-
 _T = TypeVar("_T")
 _REASON_RE = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
 # Arrays above this many tokens are packed and hashed in a worker thread (keeps the loop free).

@@ -29,6 +29,10 @@ class SqlDialect(ABC):
     """What one database spells its own way; every method returns a SQLAlchemy construct."""
 
     name: ClassVar[str]
+    # A lone read statement runs without BEGIN/COMMIT around it (Postgres: one statement is one
+    # consistent snapshot, and the transaction's two round trips are saved); SQLite reads in a
+    # read transaction of the pool.
+    lone_reads_in_autocommit: ClassVar[bool] = False
 
     @abstractmethod
     def insert(self, table: sa.Table) -> Any:
@@ -64,6 +68,7 @@ class SqlDialect(ABC):
 
 class PostgresDialect(SqlDialect):
     name = "postgresql"
+    lone_reads_in_autocommit = True
 
     def insert(self, table: sa.Table) -> Any:
         return postgresql.insert(table)

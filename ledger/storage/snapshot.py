@@ -8,7 +8,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import orjson
-import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from ledger import codec
@@ -21,7 +20,8 @@ from ledger.ids import validate_rollout_id
 from ledger.lineage_ingest import decision_of_stored
 from ledger.model import CallView, ChainLinkTokens
 from ledger.records import TokenEntry
-from ledger.storage.core import IE, C, E, T, _failed_attempt
+from ledger.storage import queries
+from ledger.storage.core import _failed_attempt
 from ledger.storage.lineage import LineageOps
 from ledger.storage.results import (
     FrozenSnapshot,
@@ -45,21 +45,15 @@ class SnapshotOps(LineageOps):
             )
         if state.state == "frozen":
             return state
-        dangling = (
-            conn.execute(
-                sa.select(C.c.model_call_id, C.c.extra).where(
-                    C.c.rollout_id == rollout_id, C.c.status == "intent"
-                )
-            )
-        ).all()
+        dangling = (conn.execute(queries.open_intents(rollout_id))).all()
         for cid, extra in dangling:
             failed = _failed_attempt(extra)
             conn.execute(
-                IE.insert().values(
-                    rollout_id=rollout_id,
-                    model_call_id=cid,
-                    reason=failed.get("reason") or "dangling_intent",
-                    detail=(
+                queries.add_incomplete_event(
+                    rollout_id,
+                    cid,
+                    failed.get("reason") or "dangling_intent",
+                    (
                         f"{failed.get('detail', '')}; no retry of it succeeded before freeze"
                         if failed
                         else "call was registered before dispatch but has no record at freeze"
@@ -95,14 +89,7 @@ class SnapshotOps(LineageOps):
 
         def body(conn: Connection) -> FrozenSnapshot:
             state = self._freeze_in(conn, rollout_id)
-            rows = (
-                conn.execute(
-                    sa.select(C, T)
-                    .join(T, T.c.call_id == C.c.id)
-                    .where(C.c.rollout_id == rollout_id, C.c.status == "captured")
-                    .order_by(C.c.id)
-                )
-            ).all()
+            rows = (conn.execute(queries.captured_calls_with_tokens(rollout_id))).all()
             entries, broken = _entries_from_rows(rows)
             state = self._record_broken(conn, state, broken)
             return FrozenSnapshot(
@@ -124,9 +111,8 @@ class SnapshotOps(LineageOps):
         known = set(
             (
                 conn.execute(
-                    sa.select(IE.c.model_call_id).where(
-                        IE.c.rollout_id == state.rollout_id,
-                        IE.c.reason == "delta_chain_unreconstructable",
+                    queries.calls_noted_incomplete(
+                        state.rollout_id, "delta_chain_unreconstructable"
                     )
                 )
             ).scalars()
@@ -148,10 +134,10 @@ class SnapshotOps(LineageOps):
 
         def body(conn: Connection) -> SnapshotViews:
             state = self._freeze_in(conn, rollout_id)
-            calls = conn.execute(_CALLS_QUERY, {"rollout_id": rollout_id}).all()
+            calls = conn.execute(queries.CAPTURED_CALLS, {"rollout_id": rollout_id}).all()
             edges: list[Any] = []
             reasons: list[str] = []
-            for row in conn.execute(_EDGES_AND_REASONS, {"rollout_id": rollout_id}):
+            for row in conn.execute(queries.EDGES_AND_REASONS, {"rollout_id": rollout_id}):
                 if row.kind == 0:
                     edges.append(row)
                 else:
@@ -178,7 +164,7 @@ class SnapshotOps(LineageOps):
         the chain's tokens.  ``expect`` (the builder's plan) must match.
         """
         rows = await self._read_one(
-            _CHAIN_QUERY, {"rollout_id": rollout_id, "call_id": terminal_call_id}
+            queries.CHAIN, {"rollout_id": rollout_id, "call_id": terminal_call_id}
         )
         if not rows:
             raise InvalidRecord(f"call {terminal_call_id!r} has no captured record")
@@ -190,7 +176,7 @@ class SnapshotOps(LineageOps):
     async def _read_one(self, query: Any, params: dict[str, Any]) -> list[Any]:
         """The rows of one read statement.  Postgres: in autocommit (one statement is one
         consistent snapshot by itself; no BEGIN and COMMIT round trips around it)."""
-        if self.dialect != "postgresql":
+        if not self.sql.lone_reads_in_autocommit:
             async with self._read() as conn:
                 return list((await conn.execute(query, params)).all())
         if self.auto_migrate and not self._schema_ready:
@@ -267,12 +253,6 @@ class _Extra:
 
     def __init__(self, extra: Any) -> None:
         self.extra = extra
-
-
-def _json_text(column: Any) -> Any:
-    """A JSON column read as its stored text (labelled as the column): decoded with orjson
-    by :func:`_json_of`, not by the driver's stdlib decoder."""
-    return sa.cast(column, sa.Text()).label(column.key)
 
 
 def _json_of(text: str | None) -> Any:
@@ -369,62 +349,3 @@ def _replay_chain(rows: Sequence[Any]) -> list[ChainLinkTokens]:
             )
         )
     return links
-
-
-def _chain_query() -> Any:
-    """The chain ending at ``:call_id`` in rollout ``:rollout_id``, root first: one recursive
-    query walking ``parent_call_id``.  Plain SQL both dialects run as written (compiling the
-    recursive CTE from Core cost milliseconds on each engine's first build); JSON columns come
-    back as their stored text."""
-    c, t = C.name, T.name
-    return sa.text(
-        f"WITH RECURSIVE chain(id, parent_call_id, depth) AS ("
-        f"SELECT id, parent_call_id, 0 FROM {c} "
-        f"WHERE rollout_id = :rollout_id AND model_call_id = :call_id "
-        f"UNION ALL SELECT p.id, p.parent_call_id, chain.depth + 1 FROM {c} AS p, chain "
-        f"WHERE p.rollout_id = :rollout_id AND p.model_call_id = chain.parent_call_id "
-        f"AND chain.depth < 1000000) "
-        f"SELECT k.model_call_id, k.prompt_is_delta, k.cumulative_len, k.cumulative_digest, "
-        f"CAST(k.output_items AS TEXT) AS output_items, k.token_item_index, v.ids_codec, "
-        f"v.prompt_ids, v.generation_ids, v.log_probs, v.log_prob_codec, "
-        f"CAST(v.routed_experts AS TEXT) AS routed_experts "
-        f"FROM chain JOIN {c} AS k ON k.id = chain.id JOIN {t} AS v ON v.call_id = k.id "
-        f"ORDER BY chain.depth DESC"
-    ).bindparams(
-        sa.bindparam("rollout_id", type_=sa.String()), sa.bindparam("call_id", type_=sa.String())
-    )
-
-
-_CHAIN_QUERY = _chain_query()
-
-
-def _calls_query() -> Any:
-    """The captured calls of ``:rollout_id`` in arrival order, JSON columns as stored text."""
-    json_columns = {"output_items", "extra"}
-    columns = [_json_text(c) if c.key in json_columns else c for c in C.c]
-    return (
-        sa.select(*columns)
-        .where(
-            C.c.rollout_id == sa.bindparam("rollout_id", type_=sa.String()),
-            C.c.status == "captured",
-        )
-        .order_by(C.c.id)
-    )
-
-
-def _edges_and_reasons() -> Any:
-    """The rollout's lineage edges (``kind`` 0, in id order) and its distinct incomplete
-    reasons (``kind`` 1) in one statement: one round trip fewer inside freeze's read.  Plain
-    SQL both dialects run as written (compiling the same union from Core costs milliseconds on
-    each engine's first build)."""
-    return sa.text(
-        f"SELECT 0 AS kind, id AS ord, child_id, parent_id, method, status, shared_len, "
-        f"CAST(NULL AS VARCHAR(64)) AS reason FROM {E.name} WHERE rollout_id = :rollout_id "
-        f"UNION ALL SELECT 1, NULL, NULL, NULL, NULL, NULL, NULL, reason FROM "
-        f"(SELECT DISTINCT reason FROM {IE.name} WHERE rollout_id = :rollout_id) AS r "
-        f"ORDER BY kind, ord"
-    ).bindparams(sa.bindparam("rollout_id", type_=sa.String()))
-
-
-_CALLS_QUERY = _calls_query()
-_EDGES_AND_REASONS = _edges_and_reasons()
