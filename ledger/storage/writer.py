@@ -118,17 +118,8 @@ class _GroupCommit:
             first = self._queue.get()
             if first is None:
                 return
-            batch = [first]
-            stop = False
-            while len(batch) < self.MAX_BATCH:
-                try:
-                    item = self._queue.get_nowait()
-                except queue.Empty:
-                    break
-                if item is None:
-                    stop = True
-                    break
-                batch.append(item)
+            more, stop = _drain(self._queue, self.MAX_BATCH - 1)
+            batch = [first, *more]
             self._commit(batch)
             if stop:
                 return
@@ -237,17 +228,8 @@ class _GroupCommit:
             first = self._flushes.get()
             if first is None:
                 return
-            waiting = list(first)
-            stop = False
-            while True:
-                try:
-                    more = self._flushes.get_nowait()
-                except queue.Empty:
-                    break
-                if more is None:
-                    stop = True
-                    break
-                waiting += more
+            more, stop = _drain(self._flushes)
+            waiting = [out for outs in (first, *more) for out in outs]
             try:
                 self._flush_wal()
             except OSError as exc:
@@ -280,6 +262,23 @@ _Job = tuple[Callable[[Any], Any], "asyncio.Future[Any]", asyncio.AbstractEventL
 
 
 _Outcome = tuple[_Job, Any, BaseException | None]
+
+
+def _drain(
+    q: queue.SimpleQueue[Any] | queue.Queue[Any], limit: int | None = None
+) -> tuple[list[Any], bool]:
+    """What is queued now (up to ``limit`` items) without waiting, and whether the stop
+    sentinel (``None``) was among it (nothing after it is taken)."""
+    items: list[Any] = []
+    while limit is None or len(items) < limit:
+        try:
+            item = q.get_nowait()
+        except queue.Empty:
+            break
+        if item is None:
+            return items, True
+        items.append(item)
+    return items, False
 
 
 class _Replay(Exception):
