@@ -53,7 +53,7 @@ def _disk(directory: Path) -> dict[str, Any]:
             best = part
     usage = psutil.disk_usage(str(directory))
     out: dict[str, Any] = {
-        "path": str(directory),
+        "path": directory.name,  # the run's scratch folder by name: no host paths in results
         "device": best.device if best else None,
         "fstype": best.fstype if best else None,
         "size_gib": round(usage.total / 2**30, 1),
