@@ -34,8 +34,6 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any, ClassVar, Literal
 
-import orjson
-
 from api.dialects.common import JSONDict, mapping_or_empty
 from ledger.errors import CaptureFailed
 from ledger.token_rules import check_log_probs, check_token_ids
@@ -407,34 +405,11 @@ def _token_ids(tokens: Sequence[Any]) -> list[int] | None:
         raise MalformedTokenPayload(str(exc)) from None
 
 
-# JSON text of token ids, byte by byte: a digit -> "d", the separator stays, anything else -> "x".
-_ID_TEXT = bytes(
-    ord("d") if chr(b) in "0123456789" else ord(",") if chr(b) == "," else ord("x")
-    for b in range(256)
-)
-
-
-def _plain_ids(value: list[Any]) -> bool:
-    """True when every item is an ``int`` (never a bool) in ``[0, 10**9)``, so within the token
-    id rules (``ledger.token_rules``), checked in C: orjson writes such a list as digits and
-    commas only, and one ``translate`` maps that text to at most nine ``d`` between commas.
-    False says nothing (the full check then decides): a bool, a float, a negative or a
-    ten-digit number all write other text."""
-    try:
-        text = orjson.dumps(value)
-    except orjson.JSONEncodeError:
-        return False
-    shape = text[1:-1].translate(_ID_TEXT)
-    return b"x" not in shape and b"dddddddddd" not in shape
-
-
 def _id_list(value: Any, where: str) -> list[int] | None:
     if value is None:
         return None
     if not isinstance(value, list):
         raise MalformedTokenPayload(f"{where} is not a list")
-    if _plain_ids(value):  # the common case, a fifth of the full check's time on long prompts
-        return list(value)
     try:  # the ledger's own rules (ledger.token_rules): what ingest would refuse, so does capture
         return list(check_token_ids(value, where))
     except ValueError as exc:

@@ -29,6 +29,7 @@ __all__ = [
     "check_created_at",
     "check_log_probs",
     "check_token_ids",
+    "plain_token_ids",
 ]
 
 MAX_TOKEN_ID = 2**31 - 1  # ids are stored as int32
@@ -41,19 +42,36 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-# What orjson writes for a flat list of non-negative integers, and nothing else can produce: a
-# bool is ``true``, a float has ``.``/``e``, a string quotes, a negative ``-``, a nested list
-# brackets (counted apart).
-_ID_LIST_TEXT = b"0123456789,[]"
+# orjson's text of token ids, byte by byte: a digit -> "d", the separator stays, anything else
+# -> "x".  Only a flat list of non-negative ``int`` (never a bool) writes digit runs between
+# commas: a bool is ``true``, a float has ``.``/``e``, a string quotes, a negative ``-``, a
+# nested list brackets.
+_ID_TEXT = bytes(
+    ord("d") if chr(b) in "0123456789" else ord(",") if chr(b) == "," else ord("x")
+    for b in range(256)
+)
+# Ten digits or more: possibly above ``MAX_TOKEN_ID`` (nine never are).
+_TEN_DIGITS = b"d" * 10
 
 
-def _non_negative_ints(value: list[Any]) -> bool:
-    """True when every element is a non-negative ``int`` (never a bool): one pass in C."""
+def _id_list_shape(value: list[Any]) -> bytes | None:
+    """The list's JSON text between its brackets with every digit as ``d``, when it is a flat
+    list of non-negative ints; ``None`` otherwise (beyond 64 bits, or not JSON at all too):
+    one pass in C."""
     try:
         text = orjson.dumps(value)
-    except orjson.JSONEncodeError:  # beyond 64 bits, or not JSON at all: the slow path tells
-        return False
-    return not text.translate(None, _ID_LIST_TEXT) and text.count(b"[") == 1
+    except orjson.JSONEncodeError:
+        return None
+    shape = text[1:-1].translate(_ID_TEXT)
+    return None if b"x" in shape else shape
+
+
+def plain_token_ids(value: list[Any]) -> bool:
+    """True when every item is an ``int`` (never a bool) in ``[0, 10**9)``, so within the token
+    id rules, checked in C without ``max``.  False says nothing (:func:`check_token_ids`
+    decides): a bool, a float, a negative or a ten-digit number all write other text."""
+    shape = _id_list_shape(value)
+    return shape is not None and _TEN_DIGITS not in shape
 
 
 def check_token_ids(
@@ -69,7 +87,10 @@ def check_token_ids(
         raise ValueError(f"{where} must be a list of token ids, not {type(value).__name__}")
     if not value:
         return value
-    if _non_negative_ints(value) and (types_only or packed_next or max(value) <= MAX_TOKEN_ID):
+    shape = _id_list_shape(value)
+    if shape is not None and (
+        types_only or packed_next or _TEN_DIGITS not in shape or max(value) <= MAX_TOKEN_ID
+    ):
         return value
     for position, token in enumerate(value):
         if not _is_int(token):

@@ -23,7 +23,6 @@ from api.dialects import InvalidRequest
 from api.extract import (
     MalformedTokenPayload,
     _id_list,
-    _plain_ids,
     extract_chat_tokens,
     extract_completion_tokens,
     strip_chat_response,
@@ -32,7 +31,7 @@ from api.proxy.capture import _checked_entry, _json_bytes, _token_count
 from ledger import migrate
 from ledger.config import load_settings
 from ledger.records import TokenEntry
-from ledger.token_rules import check_token_ids
+from ledger.token_rules import check_token_ids, plain_token_ids
 from tests.support.vllm import vllm_chat_answer
 
 PROMPT = [1, 9690, 198, 2683, 359, 2, 198, 1, 520, 9531, 198]
@@ -165,7 +164,7 @@ def test_the_fast_id_check_accepts_only_what_the_token_rules_accept(ids: list[An
         allowed = False
     else:
         allowed = True
-    if _plain_ids(ids):
+    if plain_token_ids(ids):
         assert allowed
     if allowed:
         assert _id_list(ids, "ids") == ids
@@ -176,8 +175,12 @@ def test_the_fast_id_check_accepts_only_what_the_token_rules_accept(ids: list[An
 
 def test_the_fast_id_check_takes_long_plain_prompts() -> None:
     ids = [(i * 7919) % 151_000 for i in range(16_000)]
-    assert _plain_ids(ids) and _plain_ids([]) and _plain_ids([999_999_999])
-    assert not _plain_ids([*ids, True]) and not _plain_ids([1, -1]) and not _plain_ids([2**31])
+    assert plain_token_ids(ids) and plain_token_ids([]) and plain_token_ids([999_999_999])
+    assert (
+        not plain_token_ids([*ids, True])
+        and not plain_token_ids([1, -1])
+        and not plain_token_ids([2**31])
+    )
 
 
 async def test_serve_moves_the_started_heap_out_of_the_collectors_way(tmp_path: Path) -> None:
