@@ -14,16 +14,15 @@
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from collections.abc import Callable, Coroutine, Sequence
 from typing import Any
 
 import httpx
-import orjson
 from fastapi import HTTPException, Request, Response
 from fastapi.routing import APIRoute
 
+from ledger import jsonio
 from ledger.config import Settings
 from ledger.records import TokenEntry
 from ledger.wire import TokenEncoding, encode_entry
@@ -91,12 +90,7 @@ def check_json_value(value: Any, max_depth: int = MAX_DEPTH) -> None:
 
 
 def _parse(raw: bytes) -> Any:
-    # orjson (C) first; the stdlib only for what orjson refuses but Python's parser accepts
-    # (NaN, lone surrogates), so what is accepted does not change; the checks below decide.
-    try:
-        value = orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        value = json.loads(raw)
+    value = jsonio.loads(raw)  # accepts what Python's parser accepts; the checks below decide
     check_json_value(value)
     return value
 

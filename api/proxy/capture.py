@@ -52,6 +52,7 @@ from api.proxy.reply import (
     has_non_finite,
     unreadable_answer,
 )
+from ledger import jsonio
 from ledger.config import Settings
 from ledger.errors import LedgerError, RolloutFrozen
 from ledger.fingerprint import continuation_fingerprint, model_authored_fingerprint
@@ -160,16 +161,6 @@ async def capture(
     return response
 
 
-def _loads(raw: bytes) -> Any:
-    """Parse JSON with orjson (C; about a third of the stdlib's time on a 16k-token answer); the
-    stdlib parser only for what orjson refuses but Python's accepts (NaN, lone surrogates), so
-    what is accepted is unchanged."""
-    try:
-        return orjson.loads(raw)
-    except orjson.JSONDecodeError:
-        return json.loads(raw)
-
-
 def _json_bytes(value: Any) -> bytes:
     """``value`` as the JSON the upstream gets; NaN, infinities and unpaired surrogates (which
     Python's parser accepts) cannot be sent, so they are the harness's error, not ours.
@@ -250,7 +241,11 @@ async def _call_upstream(
         return error_response(reply, stream=upstream.stream, handler=ctx.handler)
     try:
         # A long context's answer is parsed in a worker thread (the event loop keeps serving).
-        answer = await asyncio.to_thread(_loads, raw) if len(raw) > OFFLOAD_BYTES else _loads(raw)
+        answer = (
+            await asyncio.to_thread(jsonio.loads, raw)
+            if len(raw) > OFFLOAD_BYTES
+            else jsonio.loads(raw)
+        )
         if not isinstance(answer, dict):
             raise ValueError("not a JSON object")
     except ValueError as exc:

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import uuid
 from collections.abc import Sequence
 from typing import Any
 
-import orjson
 from sqlalchemy.engine import Connection
 
-from ledger import codec
+from ledger import codec, jsonio
 from ledger.builder import RECORDED_PARENT_METHOD
 from ledger.errors import (
     InvalidRecord,
@@ -258,12 +256,7 @@ class _Extra:
 def _json_of(text: str | None) -> Any:
     """A JSON column's stored text, decoded (``None`` for SQL NULL).  Text orjson refuses
     (``NaN``, integers beyond 64 bits: the stdlib encoder writes both) goes to the stdlib."""
-    if text is None:
-        return None
-    try:
-        return orjson.loads(text)
-    except orjson.JSONDecodeError:
-        return json.loads(text)
+    return None if text is None else jsonio.loads(text)
 
 
 def _entries_from_rows(rows: Sequence[Any]) -> tuple[list[TokenEntry], list[tuple[str, str]]]:
