@@ -91,21 +91,18 @@ class Prepared:
     hasher: PrefixHasher
     cumulative_state: Any
     extra: dict[str, Any] = field(default_factory=dict)
-    # Stored encodings made before the transaction: the generation's, and the prompt's from the
-    # byte offset its likely delta starts at (the remembered tip's end; 0 for a full prompt).
-    generation_stored: bytes = b""
-    prompt_stored: tuple[int, bytes] = (-1, b"")
+    # The stored form (``codec.store_ids``) made before the transaction, for the prompt from
+    # the byte offset its likely delta starts at (the remembered tip's end; 0 for a full prompt).
+    stored_from: int = -1
+    stored: tuple[str, bytes, bytes] = ("", b"", b"")
 
     def stored_ids(self, prompt: bytes) -> tuple[str, bytes, bytes]:
         """``(ids_codec, prompt, generation)`` as stored, for the stored prompt ``prompt`` (the
-        whole prompt or its suffix); reuses the encodings :func:`prepare` made."""
-        if len(prompt) + len(self.generation) < codec.MIN_DEFLATE_BYTES:
-            return codec.IDS_TAG, prompt, self.generation
-        offset, encoded = self.prompt_stored
-        if offset != len(self.prompt) - len(prompt):
-            encoded = codec.deflate_planes(prompt, 4)
-        generation = self.generation_stored or codec.deflate_planes(self.generation, 4)
-        return codec.IDS_PLANES, encoded, generation
+        whole prompt or its suffix); the form :func:`prepare` made when it guessed the same
+        suffix (the usual case), else made now."""
+        if self.stored_from == len(self.prompt) - len(prompt):
+            return self.stored
+        return codec.store_ids(prompt, self.generation)
 
     @property
     def base(self) -> Tip | None:
@@ -165,8 +162,8 @@ def _prepared(entry: TokenEntry, prompt: bytes, generation: bytes, base: Tip | N
         hasher=hasher,
         cumulative_state=state,
         extra=entry.extra_fields(),
-        generation_stored=codec.deflate_planes(generation, 4),
-        prompt_stored=(offset, codec.deflate_planes(prompt[offset:], 4)),
+        stored_from=offset,
+        stored=codec.store_ids(prompt[offset:], generation),
     )
 
 
