@@ -64,10 +64,6 @@ def sqlite_now() -> str:
     return datetime.now(UTC).replace(tzinfo=None).isoformat(" ", "microseconds")
 
 
-def pg_now() -> datetime:
-    return datetime.now(UTC)
-
-
 def _json(value: Any) -> str | None:
     # The same text SQLAlchemy's JSON type writes (stdlib json: NaN stays refusable by Postgres).
     return None if value is None else json.dumps(value)

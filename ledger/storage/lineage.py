@@ -78,10 +78,6 @@ class LineageOps(LedgerCore):
         method = "identical_retry" if len(tied) > 1 else "token_prefix"
         return _Parent(win.id, win.model_call_id, best, method)
 
-    def _ancestry_query(self, rollout_id: str, model_call_id: str, *, to_anchor: bool) -> Any:
-        """The recursive chain query (``queries.ancestry``), as the snapshot room calls it."""
-        return queries.ancestry(rollout_id, model_call_id, to_anchor=to_anchor)
-
     async def _read_cumulative_bytes(self, rollout_id: str, model_call_id: str) -> bytes:
         """``_cumulative_bytes`` in a read transaction of its own."""
         async with self._read() as aconn:
@@ -89,7 +85,7 @@ class LineageOps(LedgerCore):
 
     def _cumulative_bytes(self, conn: Connection, rollout_id: str, model_call_id: str) -> bytes:
         """A call's full prompt+generation, rebuilt from its nearest full record and checked."""
-        rows = conn.execute(queries.ancestry(rollout_id, model_call_id, to_anchor=True)).all()
+        rows = conn.execute(queries.ancestry_to_anchor(rollout_id, model_call_id)).all()
         if not rows or rows[0].prompt_is_delta:
             raise InvalidRecord(f"call {model_call_id!r} cannot be reconstructed: no full record")
         buf = bytearray()

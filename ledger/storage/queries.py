@@ -219,10 +219,11 @@ def generation_ids(call_pk: int) -> sa.Select[Any]:
     )
 
 
-def ancestry(rollout_id: str, model_call_id: str, *, to_anchor: bool) -> sa.Select[Any]:
-    """A call and its verified ancestors with their tokens, root first: one recursive query.
+def ancestry_to_anchor(rollout_id: str, model_call_id: str) -> sa.Select[Any]:
+    """A call and its ancestors up to the nearest full-prompt record, with tokens, root first.
 
-    With ``to_anchor`` the walk stops at the nearest record that stores a full prompt.
+    One recursive query; the walk stops at the first record that stores its whole prompt (the
+    anchor a delta chain is rebuilt from).
     """
     start = sa.select(
         calls.c.id, calls.c.parent_call_id, calls.c.prompt_is_delta, sa.literal(0).label("depth")
@@ -235,9 +236,8 @@ def ancestry(rollout_id: str, model_call_id: str, *, to_anchor: bool) -> sa.Sele
         parent.c.rollout_id == rollout_id,
         parent.c.model_call_id == chain.c.parent_call_id,
         chain.c.depth < 1_000_000,
+        chain.c.prompt_is_delta,
     )
-    if to_anchor:
-        step = step.where(chain.c.prompt_is_delta)
     chain = chain.union_all(step)
     return (
         sa.select(
