@@ -220,7 +220,7 @@ def generation_ids(call_pk: int) -> sa.Select[Any]:
 
 
 def ancestry_to_anchor(rollout_id: str, model_call_id: str) -> sa.Select[Any]:
-    """A call and its ancestors up to the nearest full-prompt record, with tokens, root first.
+    """A call and its ancestors up to the nearest full-prompt record, with their ids, root first.
 
     One recursive query; the walk stops at the first record that stores its whole prompt (the
     anchor a delta chain is rebuilt from).
@@ -241,20 +241,11 @@ def ancestry_to_anchor(rollout_id: str, model_call_id: str) -> sa.Select[Any]:
     chain = chain.union_all(step)
     return (
         sa.select(
-            calls.c.model_call_id,
-            calls.c.parent_call_id,
             calls.c.prompt_is_delta,
-            calls.c.prompt_len,
-            calls.c.cumulative_len,
             calls.c.cumulative_digest,
-            calls.c.output_items,
-            calls.c.token_item_index,
             call_tokens.c.ids_codec,
             call_tokens.c.prompt_ids,
             call_tokens.c.generation_ids,
-            call_tokens.c.log_probs,
-            call_tokens.c.log_prob_codec,
-            call_tokens.c.routed_experts,
         )
         .select_from(
             chain.join(calls, calls.c.id == chain.c.id).join(
