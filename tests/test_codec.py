@@ -125,6 +125,55 @@ def test_incompressible_ids_cost_at_most_a_few_bytes_more() -> None:
     assert codec.load_ids(tag, stored) == ids
 
 
+@pytest.mark.parametrize(
+    ("shape", "n"),
+    [
+        ("uniform", 16_000),
+        ("uniform", 40_000),
+        ("skewed", 16_000),
+        ("repeats", 16_000),
+        ("uniform", 1_100),
+        ("uniform", 3),
+        ("uniform", 0),
+    ],
+)
+def test_plane_streams_round_trip_whether_low_planes_are_stored_or_coded(
+    shape: str, n: int
+) -> None:
+    """Near-uniform low planes go into the stream as stored blocks (coding them costs time and
+    saves nothing), skewed ones are coded; either way the stream inflates to the exact bytes,
+    and the stored form is never much bigger than coding everything would be."""
+    import random
+    import zlib
+    from array import array
+
+    rng = random.Random(n)
+    if shape == "uniform":
+        ids = [rng.randrange(151_000) for _ in range(n)]
+    elif shape == "skewed":
+        ids = [min(151_000, int(rng.paretovariate(0.8))) for _ in range(n)]
+    else:
+        ids = [rng.randrange(151_000) for _ in range(100)] * (n // 100)
+    data = array("i", ids).tobytes()
+    stream = codec.deflate_planes(data, 4)
+    assert codec.inflate_planes(stream, 4) == data
+    low = b"".join([data[0::4], data[1::4]])
+    if low:  # the low planes appear verbatim only when stored
+        assert (low[:60_000] in stream) == (shape == "uniform" and n > 2048)
+    everything = zlib.compressobj(1, zlib.DEFLATED, -12, 4)
+    coded = len(everything.compress(b"".join(data[p::4] for p in range(4)))) + len(
+        everything.flush()
+    )
+    assert len(stream) <= coded * 1.05 + 16
+    for width, values in (
+        (4, array("f", [-rng.expovariate(1.5) for _ in range(n)])),
+        (8, array("d", [-rng.expovariate(1.5) for _ in range(n)])),
+    ):
+        raw = values.tobytes()
+        stream = codec.deflate_planes(raw, width, huffman_only=True)
+        assert codec.inflate_planes(stream, width) == raw
+
+
 def test_unknown_or_damaged_stored_arrays_are_refused() -> None:
     with pytest.raises(InvalidRecord):
         codec.load_ids("i9xx", b"")
