@@ -9,8 +9,8 @@ the plain little-endian arrays above, or the same bytes split into byte planes (
 byte 0, then every byte 1, ...) and deflated, one deflate block per plane.  Token ids sit far
 below 2**31 (a 151k vocabulary needs 18 bits), so their high planes are nearly constant, and so
 are the sign and exponent bytes of log-probs; the low planes, near-uniform, go into the stream
-as stored (copied) blocks unless a probe shows coding them pays.  Small arrays stay plain.  Every digest is defined on the
-plain int32 bytes, never on a stored encoding.
+as stored (copied) blocks unless a probe shows coding them pays.  Small arrays stay plain.
+Every digest is defined on the plain int32 bytes, never on a stored encoding.
 
 The token digest is SHA-256 over a domain tag and the int32-LE bytes, with no length header, so a
 single pass over a prompt yields the digest of every prefix (``prefix_digests``): that is what lets
