@@ -271,8 +271,6 @@ def collect_cmd(
         )
 
 
-
-
 def _collect(
     db: str,
     token: str | None,
@@ -340,4 +338,3 @@ def _print_report(report: CollectReport, as_json: bool) -> None:
         print(json.dumps(report.as_dict(), indent=2))
     else:
         _stdout(True).print(health_table(report))
-
