@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable
 
 from ledger import codec
 from ledger.errors import InvalidRecord, LedgerError
-from ledger.records import TokenEntry, gym_packed_digest
+from ledger.records import TokenEntry, gym_wide_digest, gym_widen
 
 __all__ = ["CumulativeReader", "check_cumulative", "materialize_delta"]
 
@@ -48,14 +48,32 @@ async def materialize_delta(entry: TokenEntry, read_cumulative: CumulativeReader
     return entry.model_copy(update={"prompt_token_ids": prompt})
 
 
-def check_cumulative(entry: TokenEntry, cumulative: bytes) -> None:
+def check_cumulative(
+    entry: TokenEntry, cumulative: bytes, *, wide_prefix: bytes | bytearray | None = None
+) -> bytes | bytearray | None:
     """Refuse a delta record whose reconstructed prompt + generation (packed) does not give its
-    recorded ``cum_len`` and ``digest`` (the length first: it costs nothing)."""
-    if (entry.cum_len is not None and entry.cum_len != len(cumulative) // 4) or (
-        entry.digest and gym_packed_digest(cumulative) != entry.digest
-    ):
-        raise InvalidRecord(
-            f"delta record {entry.model_call_id!r}: its parent {entry.parent_call_id!r} plus its "
-            "suffix do not reproduce its cum_len/digest",
-            rollout_id=entry.rollout_id,
-        )
+    recorded ``cum_len`` and ``digest`` (the length first: it costs nothing).
+
+    ``wide_prefix``: the widened form (``gym_widen``) of a prefix of ``cumulative`` already at
+    hand (the parent's, kept with its tip), so only the rest is widened.  Returns the widened
+    cumulative tokens the digest was checked on (None when the record carries no digest)."""
+    if entry.cum_len is not None and entry.cum_len != len(cumulative) // 4:
+        _refuse(entry)
+    if not entry.digest:
+        return None
+    wide: bytes | bytearray
+    if wide_prefix is None:
+        wide = gym_widen(cumulative)
+    else:
+        wide = wide_prefix + gym_widen(cumulative[len(wide_prefix) // 2 :])
+    if gym_wide_digest(wide) != entry.digest:
+        _refuse(entry)
+    return wide
+
+
+def _refuse(entry: TokenEntry) -> None:
+    raise InvalidRecord(
+        f"delta record {entry.model_call_id!r}: its parent {entry.parent_call_id!r} plus its "
+        "suffix do not reproduce its cum_len/digest",
+        rollout_id=entry.rollout_id,
+    )

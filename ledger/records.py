@@ -57,6 +57,8 @@ __all__ = [
     "cumulative_tokens",
     "gym_packed_digest",
     "gym_token_digest",
+    "gym_wide_digest",
+    "gym_widen",
     "payload_digest",
 ]
 
@@ -290,17 +292,30 @@ def gym_token_digest(token_ids: Sequence[int]) -> str:
 
 def gym_packed_digest(packed: bytes) -> str:
     """:func:`gym_token_digest` of ids packed as the codec packs them (int32 little-endian,
-    every id non-negative: validated ids are), without a Python int per token: each id's four
-    bytes, reversed, become the low half of its 8-byte big-endian word (strided C copies)."""
-    n = len(packed) // 4
-    h = hashlib.sha256(_GYM_DIGEST_DOMAIN)
-    if not n:
-        return h.hexdigest()
-    h.update(struct.pack(">BQ", _GYM_DIGEST_VERSION, n))
-    wide = bytearray(8 * n)
+    every id non-negative: validated ids are), without a Python int per token."""
+    return gym_wide_digest(gym_widen(packed))
+
+
+def gym_widen(packed: bytes) -> bytearray:
+    """Packed ids as the Gym digest hashes them, 8 bytes big-endian each: every id's four bytes,
+    reversed, become the low half of its word (strided C copies).  Widening is per id, so the
+    widened form of a sequence is the widened forms of its parts, end to end: a continuation
+    widens only its new tokens."""
+    wide = bytearray(2 * len(packed))
     for k in range(4):
         wide[4 + k :: 8] = packed[3 - k :: 4]
-    h.update(wide)
+    return wide
+
+
+def gym_wide_digest(wide: bytes | bytearray) -> str:
+    """The Gym digest of a widened sequence (:func:`gym_widen`).  Its length comes first in the
+    hashed bytes, so the digest of a sequence never extends its prefix's: each one hashes the
+    whole sequence."""
+    n = len(wide) // 8
+    h = hashlib.sha256(_GYM_DIGEST_DOMAIN)
+    if n:
+        h.update(struct.pack(">BQ", _GYM_DIGEST_VERSION, n))
+        h.update(wide)
     return h.hexdigest()
 
 

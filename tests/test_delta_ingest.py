@@ -12,7 +12,13 @@ from hypothesis import strategies as st
 
 from ledger import codec
 from ledger.errors import InvalidRecord
-from ledger.records import ParentResolutionStatus, TokenEntry, gym_packed_digest, gym_token_digest
+from ledger.records import (
+    ParentResolutionStatus,
+    TokenEntry,
+    gym_packed_digest,
+    gym_token_digest,
+    gym_widen,
+)
 from ledger.store import Ledger
 
 Rid = Callable[[str], str]
@@ -23,6 +29,18 @@ Rid = Callable[[str], str]
 @given(st.lists(st.integers(min_value=0, max_value=2**31 - 1), max_size=80))
 def test_the_gym_digest_of_packed_ids_is_the_gym_digest(ids: list[int]) -> None:
     assert gym_packed_digest(codec.pack_ids(ids)) == gym_token_digest(ids)
+
+
+@settings(suppress_health_check=[HealthCheck.too_slow], deadline=None)
+@given(
+    st.lists(st.integers(min_value=0, max_value=2**31 - 1), max_size=40),
+    st.lists(st.integers(min_value=0, max_value=2**31 - 1), max_size=40),
+)
+def test_widening_is_per_id_so_a_prefix_widens_once(head: list[int], tail: list[int]) -> None:
+    """The widened form of a sequence is its parts' widened forms end to end: what lets a
+    continuation widen only its new tokens for the Gym digest."""
+    packed_head, packed_tail = codec.pack_ids(head), codec.pack_ids(tail)
+    assert gym_widen(packed_head + packed_tail) == gym_widen(packed_head) + gym_widen(packed_tail)
 
 
 def record(
@@ -115,5 +133,28 @@ async def test_a_delta_from_the_tip_is_refused_when_it_does_not_reproduce_its_st
             with pytest.raises(InvalidRecord, match="do not reproduce its cum_len/digest"):
                 await led.put(bad)
         assert (await led.put(second)).status == "created"
+    finally:
+        await led.close()
+
+
+async def test_a_tip_keeps_its_widened_tokens_and_a_forged_digest_is_still_refused(
+    db_url: str, rid: Rid
+) -> None:
+    """A delta record's check leaves its call's tip holding the widened cumulative tokens (its
+    child widens only its own tokens); the child's digest is still checked on all of them."""
+    r = rid("wide")
+    led = Ledger(db_url)
+    try:
+        entries = chain(r, 4)
+        for e in entries[:3]:
+            assert (await led.put(e)).status == "created"
+        tip = led._tips.of_call(r, "c2")
+        assert tip is not None and tip.gym_wide is not None
+        assert bytes(tip.gym_wide) == bytes(gym_widen(tip.cumulative))
+        last = entries[3]
+        forged = last.model_copy(update={"digest": gym_token_digest([5] * (last.cum_len or 0))})
+        with pytest.raises(InvalidRecord, match="do not reproduce its cum_len/digest"):
+            await led.put(forged)
+        assert (await led.put(last)).status == "created"
     finally:
         await led.close()

@@ -91,6 +91,9 @@ class Prepared:
     # the byte offset its likely delta starts at (the remembered tip's end; 0 for a full prompt).
     stored_from: int = -1
     stored: tuple[str, bytes, bytes] = ("", b"", b"")
+    # The cumulative tokens widened for NeMo Gym's digest, when a delta record's check made it
+    # (kept with the call's tip: see ``Tip.gym_wide``).
+    gym_wide: bytes | bytearray | None = None
 
     def stored_ids(self, prompt: bytes) -> tuple[str, bytes, bytes]:
         """``(ids_codec, prompt, generation)`` as stored, for the stored prompt ``prompt`` (the
@@ -107,7 +110,12 @@ class Prepared:
     def tip(self, pk: int) -> Tip:
         cumulative = self.prompt + self.generation
         return Tip(
-            pk, self.entry.model_call_id, cumulative, self.cumulative_state, self.cumulative_digest
+            pk,
+            self.entry.model_call_id,
+            cumulative,
+            self.cumulative_state,
+            self.cumulative_digest,
+            self.gym_wide,
         )
 
 
@@ -133,8 +141,10 @@ def prepare_delta(entry: TokenEntry, tips: TipCache) -> Prepared | None:
     generation = entry.packed_ids("generation_token_ids")
     suffix = entry.packed_ids("prompt_token_ids")
     prompt = tip.cumulative + suffix
-    check_cumulative(entry, prompt + generation)
-    return _prepared(entry, prompt, generation, tip)
+    wide = check_cumulative(entry, prompt + generation, wide_prefix=tip.gym_wide)
+    prepared = _prepared(entry, prompt, generation, tip)
+    prepared.gym_wide = wide
+    return prepared
 
 
 def _prepared(entry: TokenEntry, prompt: bytes, generation: bytes, base: Tip | None) -> Prepared:

@@ -30,6 +30,14 @@ class Tip:
     cumulative: bytes
     state: Any  # hashlib object positioned after ``cumulative``
     digest: str
+    # ``cumulative`` widened as NeMo Gym's digest hashes it (``ledger.records.gym_widen``), kept
+    # when a Gym delta record's check made it, so its child widens only its own new tokens.
+    gym_wide: bytes | bytearray | None = None
+
+    @property
+    def size(self) -> int:
+        """Bytes this tip holds (what the cache's bound counts)."""
+        return len(self.cumulative) + (len(self.gym_wide) if self.gym_wide is not None else 0)
 
     @property
     def cumulative_len(self) -> int:
@@ -71,23 +79,23 @@ class TipCache:
             return None
 
     def remember(self, rollout_id: str, tip: Tip) -> None:
-        if len(tip.cumulative) > self.max_bytes // 4:
+        if tip.size > self.max_bytes // 4:
             return
         with self._lock:
             tips = self._tips.setdefault(rollout_id, [])
             self._tips.move_to_end(rollout_id)
             tips.append(tip)
-            self._bytes += len(tip.cumulative)
+            self._bytes += tip.size
             while len(tips) > self.per_rollout:
-                self._bytes -= len(tips.pop(0).cumulative)
+                self._bytes -= tips.pop(0).size
             while self._bytes > self.max_bytes and self._tips:
                 _rid, dropped = self._tips.popitem(last=False)
-                self._bytes -= sum(len(t.cumulative) for t in dropped)
+                self._bytes -= sum(t.size for t in dropped)
 
     def forget(self, rollout_id: str) -> None:
         with self._lock:
             dropped = self._tips.pop(rollout_id, [])
-            self._bytes -= sum(len(t.cumulative) for t in dropped)
+            self._bytes -= sum(t.size for t in dropped)
 
 
 class PrefixHasher:
