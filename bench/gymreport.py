@@ -130,7 +130,9 @@ def render(g: dict[str, Any], pngs: list[str]) -> str:
         "(it is the capture path's work, the same whichever store follows). The ledger is fed "
         f"{_LEDGER_RECORDS.get(g.get('ledger_records', 'plain'), '?')}. Freeze + build is "
         "each side's own: Gym's `trajectories_from_source` (the build inside its "
-        "`finalize_rollout_token_capture`), the ledger's `finalize_rollout_token_capture`.\n"
+        "`finalize_rollout_token_capture`), the ledger's `finalize_rollout_token_capture`, on "
+        "a ledger whose connection is open (as a serving one's is; Gym's store has none to "
+        "open).\n"
     )
     add("## Targets (issue 12)\n")
     rows: list[list[str]] = []
@@ -277,7 +279,10 @@ def render(g: dict[str, Any], pngs: list[str]) -> str:
         "\n*CPU ms/call*: CPU time of the benchmark process (all its threads) over the run per "
         "call; for Postgres the server's own CPU comes on top. *KiB/rollout*: Gym, the sizes of "
         "its per-rollout files (entries, intents, state); SQLite, database file growth after a "
-        "TRUNCATE checkpoint; Postgres, growth of relation sizes (heap, TOAST, indexes); the "
+        "TRUNCATE checkpoint; Postgres, growth of relation sizes (heap, TOAST, indexes), both "
+        "sizes taken after a plain VACUUM (autovacuum's first visit to a table adds its "
+        "free-space and visibility maps, about 32 KiB per relation and none of it per rollout, "
+        "at a moment of its own choosing); the "
         "ledger's growth is measured past a warm-up batch (the same number of concurrent rollouts, "
         "up to 10 turns; on every side, counted nowhere), so a new database's one-off first "
         "pages are not charged to the rollouts; the 8x10 figure is taken over five 8x10 batches "
