@@ -369,7 +369,10 @@ def _chat_logprobs(value: Any) -> _LogProbs | None:
         return None
     if not isinstance(content, list):
         raise MalformedTokenPayload("choices[0].logprobs.content is not a list")
-    entries = [mapping_or_empty(entry) for entry in content]
+    if all(type(entry) is dict for entry in content):  # as parsed from JSON: no copies
+        entries: list[Mapping[str, Any]] = content
+    else:
+        entries = [mapping_or_empty(entry) for entry in content]
     tokens = [entry.get("token") for entry in entries]
     values = [entry.get("logprob") for entry in entries]
     return _LogProbs(_token_ids(tokens), _logprob_list(values, "logprobs.content[].logprob"))
@@ -390,6 +393,12 @@ def _completion_logprobs(value: Any) -> _LogProbs | None:
 
 def _token_ids(tokens: Sequence[Any]) -> list[int] | None:
     """Ids from ``token_id:N`` tokens; ``None`` when all are text; mixed is malformed."""
+    parsed = _plain_token_ids(tokens)
+    if parsed is not None:
+        try:
+            return check_token_ids(parsed, "logprobs token_id:N")
+        except ValueError as exc:
+            raise MalformedTokenPayload(str(exc)) from None
     matches = [_TOKEN_ID.fullmatch(t) if isinstance(t, str) else None for t in tokens]
     parsed = [int(m.group(1)) for m in matches if m is not None]
     if not parsed and tokens:
@@ -403,6 +412,27 @@ def _token_ids(tokens: Sequence[Any]) -> list[int] | None:
         return check_token_ids(parsed, "logprobs token_id:N")
     except ValueError as exc:
         raise MalformedTokenPayload(str(exc)) from None
+
+
+def _plain_token_ids(tokens: Sequence[Any]) -> list[int] | None:
+    """The ids when every token is ``token_id:`` + ASCII digits (what vLLM sends), parsed with
+    string operations over all tokens at once instead of a regex match per token; None for
+    anything else (no tokens, text tokens, a malformed one), which the per-token path decides."""
+    if not tokens:
+        return None
+    try:
+        joined = "\x00" + "\x00".join(tokens)
+    except TypeError:  # a token that is not a string
+        return None
+    n = len(tokens)
+    # Every separator (one before each token, none inside one) is followed by the prefix.
+    if joined.count("\x00") != n or joined.count("\x00token_id:") != n:
+        return None
+    digits = joined.replace("\x00token_id:", "\x00")
+    body = digits.replace("\x00", "")
+    if not (body.isascii() and body.isdigit()) or "\x00\x00" in digits or digits[-1] == "\x00":
+        return None
+    return list(map(int, digits[1:].split("\x00")))
 
 
 def _id_list(value: Any, where: str) -> list[int] | None:

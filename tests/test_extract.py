@@ -13,6 +13,8 @@ import math
 from typing import Any
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from openai.types.chat import ChatCompletion
 from openai.types.completion import Completion
 
@@ -27,6 +29,7 @@ from api.extract import (
     MalformedTokenPayload,
     MissingTokenIds,
     TokenExtractionError,
+    _plain_token_ids,
     extract_chat_tokens,
     extract_completion_tokens,
     strip_chat_response,
@@ -554,3 +557,36 @@ def test_public_names_are_exactly_all(module_name: str) -> None:
         and callable(value)
     }
     assert public <= exported
+
+
+_TOKEN_TEXT = st.one_of(
+    st.integers(min_value=0, max_value=2**40).map(lambda n: f"token_id:{n}"),
+    st.sampled_from(
+        [
+            "token_id:",
+            "token_id:+1",
+            "token_id: 1",
+            "token_id:007",
+            "token_id:\u0661",
+            "token_id:1token_id:2",
+            "token_id:1\x00token_id:2",
+            "x",
+            "",
+            "Token_id:1",
+            "\x00",
+        ]
+    ),
+    st.text(max_size=12),
+)
+
+
+@settings(deadline=None)
+@given(st.lists(_TOKEN_TEXT, max_size=12))
+def test_token_id_texts_parsed_at_once_match_one_regex_match_per_token(tokens: list[str]) -> None:
+    """The all-at-once parse of ``token_id:N`` log-prob tokens gives exactly what a strict
+    per-token match gives (``token_id:`` then ASCII digits), and declines everything else."""
+    import re
+
+    strict = [re.fullmatch(r"token_id:([0-9]+)", t) for t in tokens]
+    expected = [int(m.group(1)) for m in strict if m] if tokens and all(strict) else None
+    assert _plain_token_ids(tokens) == expected

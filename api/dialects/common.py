@@ -90,6 +90,8 @@ def content_value(parts: list[JSONDict]) -> str | list[JSONDict]:
 
 def mapping_or_empty(value: Any) -> Mapping[str, Any]:
     """``value`` if it is a JSON object, else an empty one (for optional sub-objects)."""
+    if type(value) is dict:  # what JSON parses to: skip the ABC check
+        return value
     return value if isinstance(value, Mapping) else {}
 
 
