@@ -111,6 +111,23 @@ class Db:
         finally:
             await conn.close()
 
+    async def pause_autovacuum(self) -> None:
+        """Postgres: no autovacuum on the ledger's tables (nor their TOAST tables) from now on:
+        relation sizes then grow with what is written, not also when the daemon first visits."""
+        if self.backend != "postgres":
+            return
+        import asyncpg
+
+        conn = await asyncpg.connect(self.pg_dsn)
+        try:
+            for table in LEDGER_TABLES:
+                await conn.execute(
+                    f"ALTER TABLE {table} SET (autovacuum_enabled = false, "
+                    "toast.autovacuum_enabled = false)"
+                )
+        finally:
+            await conn.close()
+
     async def checkpoint(self) -> None:
         if self.backend == "sqlite":
             await self.query("PRAGMA wal_checkpoint(TRUNCATE)")

@@ -300,6 +300,10 @@ async def _run_side(
         side = GymSide(root, delta=kind == "gym_delta")
     else:
         db = await dbs.create(kind, label.replace("-", "_"))
+        # Postgres: autovacuum stays off the ledger's tables for the run; its first visit to a
+        # table adds the free-space and visibility maps (about 32 KiB per relation, none of it
+        # per rollout) at a moment of its own choosing, which swung 8x50 bytes by +-0.3x raw.
+        await db.pause_autovacuum()
         side = LedgerSide(db, records)
     try:
         # A warm-up batch (as many concurrent rollouts, up to 10 turns), counted nowhere: stored
@@ -314,11 +318,6 @@ async def _run_side(
         if db is not None:
             await side.ledger.close()
             side = LedgerSide(db, records)
-            # Postgres: both sizes are taken after a plain VACUUM (what autovacuum does anyway),
-            # so whether autovacuum happened to visit a table during the run does not move the
-            # figure: its first visit adds the table's free-space and visibility maps (about
-            # 32 KiB per relation, none of it per rollout), which swung 8x50 by +-0.3x raw.
-            await db.vacuum()
             before = await db.size_bytes()
         side.prestamp(every)
         # The workload's own token lists (about 11M ints at 200 turns) are the bench's, not the
@@ -335,7 +334,6 @@ async def _run_side(
         else:
             await side.ledger.close()
             side = LedgerSide(db, records)
-            await db.vacuum()
             stored = await db.size_bytes() - before
         out["stored_bytes_per_rollout"] = stored / len(rids)
         out["raw_bytes_per_rollout"] = raw

@@ -127,21 +127,31 @@ def unpack_log_probs(tag: str, data: bytes) -> list[float]:
     raise InvalidRecord(f"unknown log-prob codec {tag!r}")
 
 
-def deflate_planes(data: bytes, width: int, *, huffman_only: bool = False) -> bytes:
-    """``data`` (``width``-byte values) as byte planes in one raw-deflate stream.
+def deflate_planes(data: bytes, width: int, *, floats: bool = False) -> bytes:
+    """``data`` (``width``-byte values: ids, or IEEE ``floats``) as byte planes in one
+    raw-deflate stream.  The reader only inflates the stream and puts the planes back; how the
+    encoder cut it into blocks is its own choice:
 
-    The low half of the planes (every value's low bytes, together) is probed first: near-uniform
-    bytes (the ids of a large vocabulary, float mantissas) gain nothing from coding, which costs
-    about 25 ns a byte (1.7 ms for a 16k-token prompt), so they go into the stream as stored
-    blocks (a copy); skewed ones (a small vocabulary, a run of repeats) are coded.  Every higher
-    plane is coded in a block of its own, so its own codes.  The reader only inflates the
-    stream and puts the planes back; how the encoder cut it into blocks is its own choice.
-
-    ``huffman_only`` skips the string matching (the right choice for float mantissas, where
-    matches are chance and only cost bits)."""
+    * a short array (a call's prompt suffix, generation or log-probs): the planes that are
+      near-uniform by their nature (an id's low half; a float's mantissa bytes) go in as stored
+      blocks (a copy) and the rest in one deflated block, in one call: a compressor and code
+      table per plane saved a few dozen bytes and cost more than the rest of the record's
+      packing;
+    * a long one: the low half of the planes is probed first, stored when coding it would not
+      pay (ids of a large vocabulary: coding costs about 25 ns a byte, 1.7 ms for a 16k-token
+      prompt, and saves nothing) and coded otherwise (a small vocabulary, a run of repeats);
+      every higher plane is coded in a block of its own, so its own codes (``floats``:
+      Huffman coding only, as matches in mantissas are chance and only cost bits)."""
     if len(data) % width:
         raise ValueError(f"{len(data)} bytes is not a whole number of {width}-byte values")
-    strategy = zlib.Z_HUFFMAN_ONLY if huffman_only else zlib.Z_DEFAULT_STRATEGY
+    if len(data) <= _ONE_BLOCK_BYTES:
+        stored = width * 3 // 4 if floats else width // 2
+        return _stored_blocks(b"".join([data[plane::width] for plane in range(stored)])) + (
+            zlib.compress(
+                b"".join([data[plane::width] for plane in range(stored, width)]), 1, _WBITS
+            )
+        )
+    strategy = zlib.Z_HUFFMAN_ONLY if floats else zlib.Z_DEFAULT_STRATEGY
     low = width // 2
     low_planes = b"".join([data[plane::width] for plane in range(low)])
     out: list[bytes] = []
@@ -161,6 +171,8 @@ def deflate_planes(data: bytes, width: int, *, huffman_only: bool = False) -> by
     return b"".join(out)
 
 
+# Arrays up to this size go in one block (see ``deflate_planes``).
+_ONE_BLOCK_BYTES = 16 * 1024
 # The probe: this many bytes from the middle of the low planes are coded on their own; coding
 # pays when they shrink below this share of their size.
 _PROBE_BYTES = 2048
@@ -229,7 +241,7 @@ def store_log_probs(values: Sequence[float]) -> tuple[str, bytes]:
     if len(data) < MIN_DEFLATE_BYTES:
         return tag, data
     width = 4 if tag == LOGPROB_F32 else 8
-    return _PLANES_OF[tag], deflate_planes(data, width, huffman_only=True)
+    return _PLANES_OF[tag], deflate_planes(data, width, floats=True)
 
 
 def token_digest(ids: Sequence[int] | bytes) -> str:
