@@ -240,11 +240,21 @@ def coerce_entry(entry: Any) -> TokenEntry:
     """The ledger's ``TokenEntry`` for ``entry``, validated, with the ledger's own errors.
 
     ``entry`` is a ``TokenEntry`` (passed through), a mapping, or any object with the schema-1
-    fields: a pydantic model (the release's ``TokenEntry``) is read through ``model_dump`` in
-    Python mode (floats stay exact, ``-inf`` included), other objects attribute by attribute.
+    fields: a pydantic model (the release's ``TokenEntry``) is read through its field values
+    (``model_dump`` in Python mode when those do not validate as they are; floats stay exact,
+    ``-inf`` included either way), other objects attribute by attribute.
     """
     if isinstance(entry, TokenEntry):
         return entry
+    fields = _model_fields(entry)
+    if fields is not None:
+        # A pydantic model's field values as they stand (no ``model_dump`` copy of every list):
+        # validated the same way; should they not validate as they are (a nested model where
+        # the schema has a dict), the dumped form decides, with its own error.
+        try:
+            return TokenEntry.model_validate(fields)
+        except ValidationError:
+            pass
     try:
         return TokenEntry.model_validate(_as_mapping(entry))
     except ValidationError as exc:
@@ -254,6 +264,17 @@ def coerce_entry(entry: Any) -> TokenEntry:
 
 
 _SCHEMA_FIELDS = (*TokenEntry.model_fields,)
+
+
+def _model_fields(entry: Any) -> dict[str, Any] | None:
+    """A pydantic v2 model's field values and extras (its ``__dict__``), or None."""
+    if getattr(type(entry), "__pydantic_fields__", None) is None:
+        return None
+    values = getattr(entry, "__dict__", None)
+    if not isinstance(values, dict):
+        return None
+    extra = getattr(entry, "__pydantic_extra__", None)
+    return {**values, **extra} if isinstance(extra, dict) and extra else dict(values)
 
 
 def _as_mapping(entry: Any) -> Mapping[str, Any]:
