@@ -135,8 +135,10 @@ def _has_dot_segment(path: str) -> bool:
 def local_answer(request: Request, path: str) -> Response | None:
     """The answer for a request the proxy must not forward, or ``None`` to go on."""
     lowered = path.lower()
-    if lowered == "/ledger" or lowered.startswith(LEDGER_PREFIX) or lowered.rstrip("/") in (
-        OPS_PATHS
+    if (
+        lowered == "/ledger"
+        or lowered.startswith(LEDGER_PREFIX)
+        or lowered.rstrip("/") in (OPS_PATHS)
     ):
         return JSONResponse(
             error_body(
