@@ -1,11 +1,15 @@
 """The SQLite group-commit writer (issue 12): batches without per-write savepoints, commits
-flushed behind the writer.  SQLite only: Postgres has no group-commit writer (one transaction
-per write, the server groups its WAL flushes)."""
+flushed behind the writer, a hot-path batch committed on the caller's loop when nothing is
+held.  SQLite only: Postgres has no group-commit writer (one transaction per write, the server
+groups its WAL flushes)."""
 
 from __future__ import annotations
 
 import asyncio
+import sqlite3
+import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import sqlalchemy as sa
@@ -89,3 +93,97 @@ async def test_writes_survive_a_new_ledger_on_the_same_file(sqlite_ledger: Ledge
             assert (await again.get_state(f"d{i}")).version == 1
     finally:
         await again.close()
+
+
+def _runner(name: str) -> Any:
+    """A hot-path write (DB-API body) that stores one row and says which thread ran it."""
+
+    def body(dbapi: Any) -> str:
+        dbapi.execute(
+            "INSERT INTO rollouts (rollout_id, state, incomplete, version, created_at, "
+            "updated_at) VALUES (?, 'open', 0, 0, '2026-01-01', '2026-01-01')",
+            (name,),
+        )
+        return threading.current_thread().name
+
+    return body
+
+
+async def test_hot_path_writes_commit_on_the_callers_loop_when_nothing_is_held(
+    sqlite_ledger: Ledger,
+) -> None:
+    """Writes queued on one loop commit together, on that loop's own thread, when the
+    connection and the database's write lock are free; the writer thread is not involved."""
+    led = sqlite_ledger
+    try:
+        group = led._group
+        assert group is not None
+        ran = await asyncio.gather(*(group.submit(_runner(f"here{i}"), raw=True) for i in range(5)))
+        assert set(ran) == {threading.current_thread().name}
+        for i in range(5):
+            assert (await led.get_state(f"here{i}")).state == "open"
+    finally:
+        await led.close()
+
+
+async def test_a_write_lock_held_elsewhere_moves_the_batch_to_the_writer_thread(
+    sqlite_ledger: Ledger, tmp_path: Path
+) -> None:
+    """While another connection holds the write lock, hot-path writes neither fail nor block
+    the event loop: the writer thread waits for the lock and commits them once it is free."""
+    led = sqlite_ledger
+    try:
+        group = led._group
+        assert group is not None
+        await group.submit(_runner("warm"), raw=True)  # the writer's connection is open
+        other = sqlite3.connect(tmp_path / "ledger.db", isolation_level=None, timeout=30)
+        other.execute("BEGIN IMMEDIATE")
+        try:
+            writes = asyncio.ensure_future(
+                asyncio.gather(*(group.submit(_runner(f"held{i}"), raw=True) for i in range(3)))
+            )
+            ticks = 0
+            for _ in range(20):  # the loop keeps running while the lock is held
+                await asyncio.sleep(0.01)
+                ticks += 1
+            assert ticks == 20 and not writes.done()
+        finally:
+            other.execute("COMMIT")
+            other.close()
+        ran = await asyncio.wait_for(writes, 30)
+        assert set(ran) == {"rollout-ledger-writer"}
+        for i in range(3):
+            assert (await led.get_state(f"held{i}")).state == "open"
+    finally:
+        await led.close()
+
+
+async def test_a_write_failing_after_changes_on_the_loop_takes_nothing_else_with_it(
+    sqlite_ledger: Ledger,
+) -> None:
+    """A batch run on the caller's loop in which one write fails after changing rows is rolled
+    back and run again by the writer thread, a savepoint per write: the failing write alone
+    fails."""
+    led = sqlite_ledger
+    try:
+        group = led._group
+        assert group is not None
+
+        def half_done(dbapi: Any) -> None:
+            _runner("junk")(dbapi)
+            raise RuntimeError("failed after a write")
+
+        results = await asyncio.gather(
+            group.submit(_runner("kept1"), raw=True),
+            group.submit(half_done, raw=True),
+            group.submit(_runner("kept2"), raw=True),
+            return_exceptions=True,
+        )
+        assert isinstance(results[1], RuntimeError)
+        assert results[0] == results[2] == "rollout-ledger-writer"
+        with pytest.raises(NotFound):
+            await led.get_state("junk")
+        for name in ("kept1", "kept2"):
+            assert (await led.get_state(name)).state == "open"
+    finally:
+        await led.close()

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import os
 import queue
+import sqlite3
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -13,7 +14,7 @@ from typing import Any, TypeVar
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from ledger.engine import make_sync_engine
+from ledger.engine import SQLITE_BUSY_TIMEOUT_MS, make_sync_engine
 from ledger.errors import (
     Unavailable,
 )
@@ -36,6 +37,15 @@ class _GroupCommit:
     (``raw``: bodies over the DB-API ``sqlite3`` connection, ``ledger.storage.ingest``) runs
     between a plain ``BEGIN IMMEDIATE`` and ``COMMIT`` on it, without SQLAlchemy's transaction
     machinery; any other batch runs through SQLAlchemy on the same connection.
+
+    A batch of hot-path writes runs on the caller's own event loop when it can (one callback
+    takes every write that loop queued meanwhile): when the connection is free and no other
+    process holds the database's write lock (tried without waiting), the batch commits right
+    there, without handing the work to the writer thread and back; otherwise the writer
+    thread takes it, and waits for the lock as usual.  The statements are the same either way
+    (sub-millisecond for a batch): what moves is only who runs them.  Handing each write to
+    another thread cost more than the write: the two threads took turns on the GIL after every
+    statement.
 
     Flushing is pipelined: the connection commits with ``synchronous=NORMAL`` (the WAL frames
     are written, and readable, but not yet flushed) and a flusher thread then ``fdatasync``s
@@ -61,6 +71,10 @@ class _GroupCommit:
         self._engine: Engine | None = None
         self._conn: Connection | None = None  # the writer thread's, for its lifetime
         self._db_path = os.path.abspath(str(engine.url.database or ""))
+        # The connection is used by one batch at a time: the writer thread's or a caller's loop.
+        self._conn_lock = threading.Lock()
+        # Writes queued on each caller's loop for its next batch there.
+        self._pending: dict[asyncio.AbstractEventLoop, list[_Job]] = {}
 
     async def submit(
         self, body: Callable[[Any], _T], *, flush: bool = True, raw: bool = False
@@ -70,8 +84,36 @@ class _GroupCommit:
         self._ensure_thread()
         loop = asyncio.get_running_loop()
         fut: asyncio.Future[_T] = loop.create_future()
-        self._queue.put((body, fut, loop, flush, raw))
+        job: _Job = (body, fut, loop, flush, raw)
+        if not raw:
+            self._queue.put(job)
+        elif (pending := self._pending.get(loop)) is not None:
+            pending.append(job)
+        else:
+            self._pending[loop] = [job]
+            loop.call_soon(self._run_pending, loop)
         return await asyncio.shield(fut)
+
+    def _run_pending(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Commit the writes queued on ``loop`` here, if that needs no waiting; else hand them
+        to the writer thread."""
+        batch = self._pending.pop(loop, [])
+        if not batch:
+            return
+        if self._engine is None or not self._conn_lock.acquire(blocking=False):
+            self._hand_over(batch)  # closing, or the writer thread holds the connection
+            return
+        try:
+            committed = self._commit(batch, wait=False)
+        finally:
+            self._conn_lock.release()
+        if not committed:  # another connection holds the write lock: the writer thread waits
+            self._hand_over(batch)
+
+    def _hand_over(self, batch: list[_Job]) -> None:
+        self._ensure_thread()
+        for job in batch:
+            self._queue.put(job)
 
     def _ensure_thread(self) -> None:
         if self._thread is not None and self._thread.is_alive():
@@ -111,7 +153,8 @@ class _GroupCommit:
         try:
             self._serve()
         finally:
-            self._drop_connection()
+            with self._conn_lock:
+                self._drop_connection()
 
     def _serve(self) -> None:
         while True:
@@ -120,7 +163,8 @@ class _GroupCommit:
                 return
             more, stop = _drain(self._queue, self.MAX_BATCH - 1)
             batch = [first, *more]
-            self._commit(batch)
+            with self._conn_lock:
+                self._commit(batch)
             if stop:
                 return
 
@@ -141,33 +185,45 @@ class _GroupCommit:
             with contextlib.suppress(Exception):
                 conn.close()
 
-    def _commit(self, batch: list[_Job]) -> None:
+    def _commit(self, batch: list[_Job], *, wait: bool = True) -> bool:
         """Run the batch in one transaction without savepoints; a write that fails after it
         changed something makes the whole transaction roll back and run again with one
-        savepoint per write (so each write still succeeds or fails alone)."""
+        savepoint per write (so each write still succeeds or fails alone).
+
+        ``wait=False`` (a batch of hot-path writes only): if another connection holds the
+        write lock, do nothing and return False.  The caller holds ``_conn_lock``."""
         outcomes: list[_Outcome] = []
         try:
             conn = self._connection()
             dbapi: Any = conn.connection.dbapi_connection
             if all(job[4] for job in batch):
-                self._run_raw(dbapi, batch, outcomes)
+                if not self._run_raw(dbapi, batch, outcomes, wait=wait):
+                    return False
             else:
                 with conn.begin():
                     self._run_batch(conn, dbapi, batch, outcomes)
         except _Replay:
+            if not wait:  # the writer thread runs it again, with a savepoint per write
+                return False
             self._commit_with_savepoints(batch)
-            return
+            return True
         except Exception as exc:  # the commit (or the transaction) failed: nothing is durable
             self._drop_connection()
             failure = _translate_error(exc)
             for job in batch:
                 _resolve(job, None, failure)
-            return
+            return True
         self._committed(outcomes)
+        return True
 
     @classmethod
-    def _run_raw(cls, dbapi: Any, batch: list[_Job], outcomes: list[_Outcome]) -> None:
-        dbapi.execute("BEGIN IMMEDIATE")
+    def _run_raw(
+        cls, dbapi: Any, batch: list[_Job], outcomes: list[_Outcome], *, wait: bool = True
+    ) -> bool:
+        if wait:
+            dbapi.execute("BEGIN IMMEDIATE")
+        elif not _begin_now(dbapi):
+            return False
         try:
             cls._run_batch(None, dbapi, batch, outcomes)
             dbapi.execute("COMMIT")
@@ -176,6 +232,7 @@ class _GroupCommit:
                 with contextlib.suppress(Exception):
                     dbapi.execute("ROLLBACK")
             raise
+        return True
 
     @staticmethod
     def _run_batch(
@@ -281,6 +338,21 @@ def _drain(
     return items, False
 
 
+def _begin_now(dbapi: Any) -> bool:
+    """``BEGIN IMMEDIATE`` without waiting for the write lock: False when another connection
+    holds it (the caller then leaves the batch to the writer thread, which waits)."""
+    dbapi.execute("PRAGMA busy_timeout = 0")
+    try:
+        dbapi.execute("BEGIN IMMEDIATE")
+    except sqlite3.OperationalError as exc:
+        if dbapi.in_transaction or ("locked" not in str(exc) and "busy" not in str(exc)):
+            raise
+        return False
+    finally:
+        dbapi.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
+    return True
+
+
 class _Replay(Exception):
     """A write failed after changing rows: roll the batch back and rerun it with savepoints."""
 
@@ -302,7 +374,14 @@ def _resolve_all(outcomes: list[_Outcome]) -> None:
     by_loop: dict[asyncio.AbstractEventLoop, list[_Outcome]] = {}
     for out in outcomes:
         by_loop.setdefault(out[0][2], []).append(out)
+    try:
+        here: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+    except RuntimeError:  # the writer or a flusher thread
+        here = None
     for loop, outs in by_loop.items():
+        if loop is here:  # a batch run on the caller's own loop: settle now
+            _settle(outs)
+            continue
         with contextlib.suppress(RuntimeError):  # the caller's loop is gone: nobody is waiting
             loop.call_soon_threadsafe(_settle, outs)
 
