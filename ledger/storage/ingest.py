@@ -26,7 +26,7 @@ from ledger import codec
 from ledger.builder import RECORDED_PARENT_METHOD
 from ledger.errors import InvalidRecord, LedgerError, PayloadConflict, RolloutFrozen, RolloutRetired
 from ledger.gym_delta import check_cumulative
-from ledger.lineage_ingest import recorded_decision
+from ledger.lineage_ingest import RecordedDecision, recorded_decision
 from ledger.records import TokenEntry, payload_digest
 from ledger.storage.statements import STATEMENTS
 from ledger.storage.tips import PrefixHasher, Tip, TipCache
@@ -94,6 +94,8 @@ class Prepared:
     # The cumulative tokens widened for NeMo Gym's digest, when a delta record's check made it
     # (kept with the call's tip: see ``Tip.gym_wide``).
     gym_wide: bytes | bytearray | None = None
+    # The writer's recorded parent decision (``ledger.lineage_ingest``), read once.
+    decision: RecordedDecision | None = None
 
     def stored_ids(self, prompt: bytes) -> tuple[str, bytes, bytes]:
         """``(ids_codec, prompt, generation)`` as stored, for the stored prompt ``prompt`` (the
@@ -168,6 +170,7 @@ def _prepared(entry: TokenEntry, prompt: bytes, generation: bytes, base: Tip | N
         hasher=hasher,
         cumulative_state=state,
         extra=entry.extra_fields(),
+        decision=recorded_decision(entry),
         stored_from=offset,
         stored=codec.store_ids(prompt[offset:], generation),
     )
@@ -262,7 +265,7 @@ def put_steps(
     an open rollout), and returned in ``Outcome.settled``."""
     e = prep.entry
     rid, cid = e.rollout_id, e.model_call_id
-    decision = recorded_decision(e)
+    decision = prep.decision
     named = decision.parent_call_id if decision is not None else None
     locked = yield ("rollout_lock", (rid,))
     rows = (yield ("rollout_and_call", (cid, named, rid))) if locked else []
@@ -399,7 +402,7 @@ def parent_for(
     ``ledger.lineage_ingest``) proven by tokens when it recorded one, else the ledger's own
     token-prefix proof.  ``recorded``: the captured call the decision names (id, call id,
     cumulative length and digest, read with the rollout's state), or None."""
-    decision = recorded_decision(prep.entry)
+    decision = prep.decision
     if decision is None:
         return (yield from prove_parent(rollout_id, prep.hasher, prompt_len))
     if decision.status != "resolved" or decision.parent_call_id is None:
@@ -421,7 +424,7 @@ def record_parent_mismatch(
     rollout_id: str, child_pk: int, prep: Prepared, parent: Parent | None, now: Any
 ) -> Steps:
     """Store a drifted edge when the writer's recorded parent is not a prefix of the prompt."""
-    decision = recorded_decision(prep.entry)
+    decision = prep.decision
     if decision is None or decision.parent_call_id is None or parent is not None:
         return None
     rows = yield ("recorded_parent", (rollout_id, decision.parent_call_id))
