@@ -385,24 +385,30 @@ NOTES = """## How the ingest path works now (issue 12)
 
 ## What is not met, and why
 
-- **SQLite throughput (about 1.5x of 2.5x).** CPU-bound under the GIL. Measured per call on
-  the 8x50 workload at ~1,000 calls/s: the event-loop thread 0.54 ms (validation, packing,
-  hashing, the capture API), the group-commit writer 0.33 ms of CPU (its batches of ~3 writes
-  take twice that in wall time, waiting for the GIL after each statement), the flushers
-  0.08 ms, 0.2-0.4 ms of it in the kernel. About 0.8 ms of GIL-holding work per call bounds
-  one process near 1,250 calls/s here; 2.5x Gym's ~650 needs ~1,650. Closing it takes the hot
-  path out of the GIL (native packing and statements, or a writer process), not more trimming.
-- **Postgres throughput (about 1.0x of 1.5x).** Per call ~1.25 ms of client CPU and about as
-  much in the server, both on the same two cores; a call is 6 round trips (the intent; BEGIN,
-  the lock, the read, the folded write, COMMIT). Batching several records into one
-  transaction on one connection (fewer round trips, BEGINs, COMMITs and WAL flushes) is the
-  next step the issue names; it is not built.
-- **Proxy overhead at 16k tokens (about 6-7 ms of 5).** Measured on the answer path of a root
-  call: the intent 0.4 ms; the upstream hop about 1 ms above a direct request (httpx on a
-  90 KB answer with ids and log-probs, which the bare proxy does not ask for); parsing the
-  answer 0.26 ms and extracting the tokens 0.3 ms; the record 2 ms (packing 16k ids 0.25 ms,
-  deflating the byte-tokenizer's skewed planes 0.5 ms, the writer 0.3 ms, the WAL flush
-  0.45 ms); the log line 0.1 ms.
+- **SQLite throughput (about 1.9-2.0x of 2.5x).** CPU-bound on one core. Since the writer
+  commits hot-path batches on the caller's loop (handing each write to the writer thread and
+  back made the two threads take turns on the GIL after every statement), a call costs about
+  0.74 ms of CPU in all on the 8x50 workload, almost all of it on the event-loop thread: the
+  batch's statements and commit about a quarter, packing and hashing (Gym's digest check
+  included) a quarter, validating the record a sixth, the rest the capture API and asyncio's
+  own bookkeeping; the flushers' `fdatasync` runs beside it. That bounds one process near
+  1,350 calls/s here, and 2.5x Gym's ~680 needs ~1,700: closing the rest takes the per-call
+  Python work down by another quarter (native packing and validation), not a new structure.
+- **Postgres throughput (about 1.0x of 1.5x).** Per call ~1.1-1.25 ms of client CPU (about a
+  third of it asyncio and asyncpg bookkeeping around the round trips) and about as much in
+  the server, both on the same two cores; a call is 6 round trips (the intent; BEGIN, the
+  lock, the read, the folded write, COMMIT). Batching several calls into one transaction on
+  one connection was tried: it cut client CPU per call by ~15% but serialized every
+  statement on that connection, and throughput did not move (633-680 calls/s against
+  668-687), so it was not kept. What is left: fewer round trips per record (a single
+  statement for a record whose parent is known), less client work per round trip.
+- **Proxy overhead at 16k tokens (about 6.3 ms root, 5.6 ms continuation, of 5).** Measured
+  on the answer path of a root call: the intent 0.3 ms; the upstream hop about 1 ms above a
+  direct request (httpx on a 90 KB answer with ids and log-probs, which the bare proxy does
+  not ask for); parsing the answer 0.26 ms and extracting the tokens 0.3 ms; the record
+  2 ms (packing 16k ids 0.25 ms, deflating the byte-tokenizer's skewed planes about 0.4 ms,
+  the statements and commit, and the WAL flush, about 0.45 ms of it, before the answer by
+  design); the log line 0.1 ms.
 - Full-prompt records (the proxy's, and Gym's with delta records off) still cost O(context)
   per call: the record arrives as a Python list of every prompt id, and checking it and
   packing it are C-speed passes over the whole prompt.
