@@ -344,7 +344,9 @@ NOTES = """## How the ingest path works now (issue 12)
   acknowledged only after a flush that began after its commit, while the writer already runs
   the next batch. The writer keeps its connection; a batch of hot-path writes runs between a
   plain `BEGIN IMMEDIATE` and `COMMIT` on the `sqlite3` connection (no SQLAlchemy transaction
-  per batch), and a batch's writes are settled with one wake-up of the caller's event loop.
+  per batch). Such a batch runs on the caller's own event loop (every write that loop queued
+  meanwhile) when the connection and the write lock are free, tried without waiting; else
+  the writer thread takes it and waits for the lock as before.
   No per-write savepoint: a write that fails before changing anything just fails; one that
   fails after changing rows makes its batch roll back and rerun with savepoints.
 - **One flush per call.** An intent's commit does not wait for its own flush
