@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import sqlite3
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -16,7 +17,7 @@ import sqlalchemy as sa
 from sqlalchemy.engine import Connection
 
 from ledger import migrate
-from ledger.errors import NotFound
+from ledger.errors import NotFound, Unavailable
 from ledger.store import Ledger
 from tests.test_promises import rec
 
@@ -185,5 +186,39 @@ async def test_a_write_failing_after_changes_on_the_loop_takes_nothing_else_with
             await led.get_state("junk")
         for name in ("kept1", "kept2"):
             assert (await led.get_state(name)).state == "open"
+    finally:
+        await led.close()
+
+
+async def test_a_write_tried_without_waiting_leaves_the_connections_lock_wait_as_it_was(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Trying the write lock without waiting sets the connection's busy timeout to 0 for that
+    one attempt; the engine's own setting (here a short one) is what the writer thread then
+    waits with, and what the connection keeps."""
+    import ledger.engine
+
+    monkeypatch.setattr(ledger.engine, "SQLITE_BUSY_TIMEOUT_MS", 1234)
+    url = f"sqlite+aiosqlite:///{tmp_path / 'ledger.db'}"
+    migrate.upgrade(url)
+    led = Ledger(url)
+    try:
+        group = led._group
+        assert group is not None
+        await group.submit(_runner("warm"), raw=True)
+        other = sqlite3.connect(tmp_path / "ledger.db", isolation_level=None, timeout=30)
+        other.execute("BEGIN IMMEDIATE")
+        try:
+            started = time.monotonic()
+            with pytest.raises(Unavailable):  # the writer thread gave up after 1.234 s
+                await asyncio.wait_for(group.submit(_runner("late"), raw=True), 20)
+            assert time.monotonic() - started < 10  # not the production minute
+        finally:
+            other.execute("ROLLBACK")
+            other.close()
+        await group.submit(_runner("after"), raw=True)  # the lock is free: on the loop again
+        assert group._conn is not None
+        dbapi: Any = group._conn.connection.dbapi_connection
+        assert dbapi.execute("PRAGMA busy_timeout").fetchone()[0] == 1234
     finally:
         await led.close()

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from ledger.engine import SQLITE_BUSY_TIMEOUT_MS, make_sync_engine
+from ledger.engine import make_sync_engine
 from ledger.errors import (
     Unavailable,
 )
@@ -75,6 +75,7 @@ class _GroupCommit:
         self._conn_lock = threading.Lock()
         # Writes queued on each caller's loop for its next batch there.
         self._pending: dict[asyncio.AbstractEventLoop, list[_Job]] = {}
+        self._busy_ms = 0  # the connection's busy_timeout (read when it opens)
 
     async def submit(
         self, body: Callable[[Any], _T], *, flush: bool = True, raw: bool = False
@@ -174,8 +175,11 @@ class _GroupCommit:
         if self._conn is None or self._conn.closed or self._conn.invalidated:
             self._drop_connection()
             conn = self._engine.connect()
+            dbapi: Any = conn.connection.dbapi_connection
             # Idempotent and cheap (no I/O); the engine's connect hook sets FULL.
-            conn.connection.dbapi_connection.execute("PRAGMA synchronous=NORMAL")  # type: ignore[union-attr]
+            dbapi.execute("PRAGMA synchronous=NORMAL")
+            # The lock wait the engine set up, which a batch tried without waiting restores.
+            self._busy_ms = int(dbapi.execute("PRAGMA busy_timeout").fetchone()[0])
             self._conn = conn
         return self._conn
 
@@ -216,16 +220,15 @@ class _GroupCommit:
         self._committed(outcomes)
         return True
 
-    @classmethod
     def _run_raw(
-        cls, dbapi: Any, batch: list[_Job], outcomes: list[_Outcome], *, wait: bool = True
+        self, dbapi: Any, batch: list[_Job], outcomes: list[_Outcome], *, wait: bool = True
     ) -> bool:
         if wait:
             dbapi.execute("BEGIN IMMEDIATE")
-        elif not _begin_now(dbapi):
+        elif not _begin_now(dbapi, self._busy_ms):
             return False
         try:
-            cls._run_batch(None, dbapi, batch, outcomes)
+            self._run_batch(None, dbapi, batch, outcomes)
             dbapi.execute("COMMIT")
         except BaseException:
             if dbapi.in_transaction:
@@ -338,9 +341,10 @@ def _drain(
     return items, False
 
 
-def _begin_now(dbapi: Any) -> bool:
+def _begin_now(dbapi: Any, busy_ms: int) -> bool:
     """``BEGIN IMMEDIATE`` without waiting for the write lock: False when another connection
-    holds it (the caller then leaves the batch to the writer thread, which waits)."""
+    holds it (the caller then leaves the batch to the writer thread, which waits).  The
+    connection's own lock wait (``busy_ms``) is put back either way."""
     dbapi.execute("PRAGMA busy_timeout = 0")
     try:
         dbapi.execute("BEGIN IMMEDIATE")
@@ -349,7 +353,7 @@ def _begin_now(dbapi: Any) -> bool:
             raise
         return False
     finally:
-        dbapi.execute(f"PRAGMA busy_timeout = {SQLITE_BUSY_TIMEOUT_MS}")
+        dbapi.execute(f"PRAGMA busy_timeout = {int(busy_ms)}")
     return True
 
 
