@@ -108,9 +108,10 @@ def render(g: dict[str, Any], pngs: list[str]) -> str:
     fs = g.get("fsync_start") or {}
     add(
         f"Machine: {mach.get('cpu', '?')}; disk fsync (4 KiB write + fdatasync) at the start "
-        f"p50 {_f(fs.get('p50_ms'))} ms, p90 {_f(fs.get('p90_ms'))} ms. The machine is shared "
-        "with other engineers' test runs (load averages of 9-20 on 2 vCPUs were seen while "
-        "this was written), so absolute figures move by 2x between repetitions; every ledger "
+        f"p50 {_f(fs.get('p50_ms'))} ms, p90 {_f(fs.get('p90_ms'))} ms. The machine may be "
+        "shared with other test runs (each side's 1-minute load average is in the table "
+        "below; loads of 9-20 on 2 vCPUs have been seen), and the machine itself changes from "
+        "run to run, so absolute figures move by 2x; every ledger "
         "figure below is a ratio against the Gym file store measured in the same repetition, "
         "on the same disk, one side after the other (the order rotates), and the range is "
         "over repetitions.\n"
@@ -387,7 +388,7 @@ NOTES = """## How the ingest path works now (issue 12)
 
 ## What is not met, and why
 
-- **SQLite throughput (about 1.9-2.0x of 2.5x).** CPU-bound on one core. Since the writer
+- **SQLite throughput (about 2.0-2.1x of 2.5x).** CPU-bound on one core. Since the writer
   commits hot-path batches on the caller's loop (handing each write to the writer thread and
   back made the two threads take turns on the GIL after every statement), a call costs about
   0.74 ms of CPU in all on the 8x50 workload, almost all of it on the event-loop thread: the
@@ -404,7 +405,7 @@ NOTES = """## How the ingest path works now (issue 12)
   statement on that connection, and throughput did not move (633-680 calls/s against
   668-687), so it was not kept. What is left: fewer round trips per record (a single
   statement for a record whose parent is known), less client work per round trip.
-- **Proxy overhead at 16k tokens (about 6.3 ms root, 5.6 ms continuation, of 5).** Measured
+- **Proxy overhead at 16k tokens (about 6 ms, root and continuation alike, of 5).** Measured
   on the answer path of a root call: the intent 0.3 ms; the upstream hop about 1 ms above a
   direct request (httpx on a 90 KB answer with ids and log-probs, which the bare proxy does
   not ask for); parsing the answer 0.26 ms and extracting the tokens 0.3 ms; the record
