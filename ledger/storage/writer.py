@@ -26,8 +26,9 @@ _T = TypeVar("_T")
 class _GroupCommit:
     """Group commit for SQLite (design §8): concurrent writes share one durable commit.
 
-    One writer thread owns a synchronous SQLite connection.  It takes every write queued while
-    the previous batch was in flight and runs them in one ``BEGIN IMMEDIATE`` transaction.  A
+    The writer holds one synchronous SQLite connection, used by one batch at a time.  A batch
+    is every write queued while the previous one was in flight, run in one ``BEGIN IMMEDIATE``
+    transaction.  A
     write that raises before changing anything (a refusal) just fails; one that raises after
     changing rows rolls the batch back, which then runs again with one SAVEPOINT per write, so
     a failing write never takes another's changes with it; a failed commit fails every write of
@@ -69,7 +70,7 @@ class _GroupCommit:
         self._flushers: list[threading.Thread] = []
         self._start_lock = threading.Lock()
         self._engine: Engine | None = None
-        self._conn: Connection | None = None  # the writer thread's, for its lifetime
+        self._conn: Connection | None = None  # the writer's, for its lifetime (see _conn_lock)
         self._db_path = os.path.abspath(str(engine.url.database or ""))
         # The connection is used by one batch at a time: the writer thread's or a caller's loop.
         self._conn_lock = threading.Lock()
