@@ -347,8 +347,7 @@ NOTES = """## How the ingest path works now (issue 12)
   plain `BEGIN IMMEDIATE` and `COMMIT` on the `sqlite3` connection (no SQLAlchemy transaction
   per batch). Such a batch runs on the caller's own event loop (every write that loop queued
   meanwhile) when the connection and the write lock are free, tried without waiting; else
-  the writer thread takes it and waits for the lock as before. The WAL is checkpointed by the
-  writer thread (queued once it passes 1,000 pages), never inside a caller's commit.
+  the writer thread takes it and waits for the lock as before.
   No per-write savepoint: a write that fails before changing anything just fails; one that
   fails after changing rows makes its batch roll back and rerun with savepoints.
 - **One flush per call.** An intent's commit does not wait for its own flush

@@ -222,33 +222,3 @@ async def test_a_write_tried_without_waiting_leaves_the_connections_lock_wait_as
         assert dbapi.execute("PRAGMA busy_timeout").fetchone()[0] == 1234
     finally:
         await led.close()
-
-
-async def test_the_wal_is_checkpointed_by_the_writer_thread_not_inside_a_callers_commit(
-    sqlite_ledger: Ledger, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The writer's connection never checkpoints on commit; once the WAL passes the threshold
-    a commit queues a passive checkpoint for the writer thread, which copies the WAL into the
-    database file (the file grows while every commit still runs on the caller's loop)."""
-    led = sqlite_ledger
-    group = led._group
-    assert group is not None
-    monkeypatch.setattr(type(group), "CHECKPOINT_PAGES", 8)
-    db_file = tmp_path / "ledger.db"
-    try:
-        assert await group.submit(_runner("first"), raw=True) != "rollout-ledger-writer"
-        assert group._conn is not None
-        dbapi: Any = group._conn.connection.dbapi_connection
-        assert dbapi.execute("PRAGMA wal_autocheckpoint").fetchone()[0] == 0
-        before = db_file.stat().st_size
-        for i in range(40):
-            await led.put(rec(f"w{i}", "c1", list(range(2_000)), [i + 1]))
-        for _ in range(200):  # the checkpoint runs on the writer thread, soon after
-            if db_file.stat().st_size > before:
-                break
-            await asyncio.sleep(0.02)
-        assert db_file.stat().st_size > before
-        for i in range(40):
-            assert (await led.get_state(f"w{i}")).version == 1
-    finally:
-        await led.close()

@@ -48,11 +48,6 @@ class _GroupCommit:
     another thread cost more than the write: the two threads took turns on the GIL after every
     statement.
 
-    Checkpoints are the writer thread's: its connection does not checkpoint the WAL on commit
-    (``wal_autocheckpoint=0``); once the WAL has grown by SQLite's own threshold (1,000
-    pages), a commit queues a passive checkpoint for the writer thread, so copying the WAL
-    into the database (and syncing it) never runs on a caller's loop.
-
     Flushing is pipelined: the connection commits with ``synchronous=NORMAL`` (the WAL frames
     are written, and readable, but not yet flushed) and a flusher thread then ``fdatasync``s
     the WAL file, which is exactly the flush ``synchronous=FULL`` would do inside the commit,
@@ -66,8 +61,6 @@ class _GroupCommit:
     # Flusher threads: while one flush is in flight, another can start for later commits, so a
     # durable write waits for about one flush, not for the one in flight and then its own.
     FLUSHERS = 2
-    # WAL pages that ask for a checkpoint (SQLite's own ``wal_autocheckpoint`` default).
-    CHECKPOINT_PAGES = 1000
 
     def __init__(self, engine: AsyncEngine) -> None:
         self._url = engine.url
@@ -84,8 +77,6 @@ class _GroupCommit:
         # Writes queued on each caller's loop for its next batch there.
         self._pending: dict[asyncio.AbstractEventLoop, list[_Job]] = {}
         self._busy_ms = 0  # the connection's busy_timeout (read when it opens)
-        self._checkpoint_bytes = 0  # WAL size that asks for a checkpoint (set when it opens)
-        self._checkpoint_queued = False
 
     async def submit(
         self, body: Callable[[Any], _T], *, flush: bool = True, raw: bool = False
@@ -173,35 +164,11 @@ class _GroupCommit:
             if first is None:
                 return
             more, stop = _drain(self._queue, self.MAX_BATCH - 1)
-            items = [first, *more]
-            batch = [job for job in items if job is not _CHECKPOINT]
+            batch = [first, *more]
             with self._conn_lock:
-                if batch:
-                    self._commit(batch)
-                if len(batch) < len(items):  # a checkpoint was asked for
-                    self._checkpoint()
+                self._commit(batch)
             if stop:
                 return
-
-    def _checkpoint(self) -> None:
-        """A passive checkpoint on the writer thread (it neither waits for nor blocks readers
-        and writers); a failure leaves the WAL to the next one."""
-        self._checkpoint_queued = False
-        with contextlib.suppress(Exception):
-            dbapi: Any = self._connection().connection.dbapi_connection
-            dbapi.execute("PRAGMA wal_checkpoint(PASSIVE)").fetchall()
-
-    def _maybe_checkpoint(self) -> None:
-        """After a commit: queue a checkpoint for the writer thread once the WAL is large."""
-        if self._checkpoint_queued or not self._checkpoint_bytes:
-            return
-        try:
-            size = os.stat(self._db_path + "-wal").st_size
-        except OSError:
-            return
-        if size >= self._checkpoint_bytes:
-            self._checkpoint_queued = True
-            self._queue.put(_CHECKPOINT)
 
     def _connection(self) -> Connection:
         """The writer's connection, opened on first use and after a failure dropped it."""
@@ -214,11 +181,6 @@ class _GroupCommit:
             dbapi.execute("PRAGMA synchronous=NORMAL")
             # The lock wait the engine set up, which a batch tried without waiting restores.
             self._busy_ms = int(dbapi.execute("PRAGMA busy_timeout").fetchone()[0])
-            # Checkpoints run on the writer thread (``_maybe_checkpoint``), at SQLite's default
-            # threshold, not inside whichever commit crosses it.
-            dbapi.execute("PRAGMA wal_autocheckpoint=0")
-            page = int(dbapi.execute("PRAGMA page_size").fetchone()[0])
-            self._checkpoint_bytes = self.CHECKPOINT_PAGES * page
             self._conn = conn
         return self._conn
 
@@ -257,7 +219,6 @@ class _GroupCommit:
                 _resolve(job, None, failure)
             return True
         self._committed(outcomes)
-        self._maybe_checkpoint()
         return True
 
     def _run_raw(
@@ -395,10 +356,6 @@ def _begin_now(dbapi: Any, busy_ms: int) -> bool:
     finally:
         dbapi.execute(f"PRAGMA busy_timeout = {int(busy_ms)}")
     return True
-
-
-# Queued for the writer thread: run a checkpoint (see ``_maybe_checkpoint``).
-_CHECKPOINT: Any = object()
 
 
 class _Replay(Exception):
