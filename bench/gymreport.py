@@ -397,7 +397,7 @@ NOTES = """## How the ingest path works now (issue 12)
 
 ## What is not met, and why
 
-- **SQLite throughput (about 2.0-2.1x of 2.5x).** CPU-bound on one core. Since the writer
+- **SQLite throughput (about 2x of 2.5x).** CPU-bound on one core. Since the writer
   commits hot-path batches on the caller's loop (handing each write to the writer thread and
   back made the two threads take turns on the GIL after every statement), a call costs about
   0.74 ms of CPU in all on the 8x50 workload, almost all of it on the event-loop thread: the
