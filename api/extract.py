@@ -369,10 +369,7 @@ def _chat_logprobs(value: Any) -> _LogProbs | None:
         return None
     if not isinstance(content, list):
         raise MalformedTokenPayload("choices[0].logprobs.content is not a list")
-    if all(type(entry) is dict for entry in content):  # as parsed from JSON: no copies
-        entries: list[Mapping[str, Any]] = content
-    else:
-        entries = [mapping_or_empty(entry) for entry in content]
+    entries = [mapping_or_empty(entry) for entry in content]
     tokens = [entry.get("token") for entry in entries]
     values = [entry.get("logprob") for entry in entries]
     return _LogProbs(_token_ids(tokens), _logprob_list(values, "logprobs.content[].logprob"))

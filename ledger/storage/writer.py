@@ -28,11 +28,10 @@ class _GroupCommit:
 
     The writer holds one synchronous SQLite connection, used by one batch at a time.  A batch
     is every write queued while the previous one was in flight, run in one ``BEGIN IMMEDIATE``
-    transaction.  A
-    write that raises before changing anything (a refusal) just fails; one that raises after
-    changing rows rolls the batch back, which then runs again with one SAVEPOINT per write, so
-    a failing write never takes another's changes with it; a failed commit fails every write of
-    the batch.  Nothing is acknowledged before its commit.
+    transaction.  A write that raises before changing anything (a refusal) just fails; one that
+    raises after changing rows rolls the batch back, which then runs again with one SAVEPOINT
+    per write, so a failing write never takes another's changes with it; a failed commit fails
+    every write of the batch.  Nothing is acknowledged before its commit.
 
     The writer keeps one connection for its lifetime.  A batch of hot-path writes only
     (``raw``: bodies over the DB-API ``sqlite3`` connection, ``ledger.storage.ingest``) runs
