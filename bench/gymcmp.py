@@ -220,11 +220,11 @@ class LedgerSide:
         return (time.process_time() - c0) * 1e3
 
     async def warm(self) -> None:
-        """Open the ledger's connection (and its once-per-process schema check) before a timed
-        build: a serving ledger holds both already, and Gym's file store has none to open."""
+        """Open the ledger's connections (and its once-per-process schema check) before a timed
+        run or build: a serving ledger holds both already, and Gym's file store has none."""
         import sqlalchemy as sa
 
-        await self.ledger.ensure_schema()
+        await self.ledger.warm_up(connections=16)
         async with self.ledger.engine.connect() as conn:
             await conn.execute(sa.text("SELECT 1"))
 
@@ -319,6 +319,8 @@ async def _run_side(
             await side.ledger.close()
             side = LedgerSide(db, records)
             before = await db.size_bytes()
+            # Its connections open, as a serving ledger's are (Gym's file store opens none).
+            await side.warm()
         side.prestamp(every)
         # The workload's own token lists (about 11M ints at 200 turns) are the bench's, not the
         # store's: keep them out of the cyclic collector's full scans, on every side alike, as

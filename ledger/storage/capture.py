@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from sqlalchemy.engine import Connection
@@ -38,14 +39,16 @@ class CaptureOps(LineageOps):
         validate_call_id(model_call_id)
 
         now = self._now()
-        created: bool = await self._run_steps(
+        pk: int | None = await self._run_steps(
             lambda folded: ingest.begin_call_steps(
                 rollout_id, model_call_id, route, model or "", now, folded=folded
             ),
             flush=self.flush_intents,
             single=True,
         )
-        return created
+        if pk is not None and self.dialect == "postgresql":
+            self._heads.note_intent(rollout_id, model_call_id, pk)
+        return pk is not None
 
     async def cancel_call(self, rollout_id: str, model_call_id: str) -> bool:
         """Close an intent for a call that ended without generating; True if one was open."""
@@ -133,8 +136,20 @@ class CaptureOps(LineageOps):
             else:
                 prep = ingest.prepare(entry, self._tips)
         now = self._now()
-        out: ingest.Outcome = await self._run_steps(
-            lambda folded: ingest.put_steps(
+
+        rid = entry.rollout_id
+        tries: list[Callable[[], ingest.Steps]] = []
+        if self.dialect == "postgresql":
+            known = self._heads.get(rid)
+            if known is not None:
+                head = (*known, self._heads.pop_intent(rid, entry.model_call_id))
+                tries.append(lambda: steps(True, optimistic=True, head=head))
+            tries.append(lambda: steps(True, optimistic=True))
+
+        def steps(
+            folded: bool, optimistic: bool = False, head: tuple[int, Any, int | None] | None = None
+        ) -> ingest.Steps:
+            return ingest.put_steps(
                 prep,
                 route=route,
                 request_fingerprint=request_fingerprint,
@@ -143,8 +158,15 @@ class CaptureOps(LineageOps):
                 now=now,
                 folded=folded,
                 settle_key=settle_retry_key,
+                optimistic=optimistic,
+                head=head,
             )
-        )
+
+        out: ingest.Outcome = await self._run_steps(steps, optimistic=tries)
+        if out.head is not None:
+            self._heads.note(rid, *out.head)
+        else:
+            self._heads.forget(rid)
         if out.deferred is not None:
             raise out.deferred
         if out.status == "created" and out.pk is not None and prep.generation:

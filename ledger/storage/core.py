@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
 from sqlalchemy.engine import Connection
@@ -31,7 +31,7 @@ from ledger.records import TokenEntry
 from ledger.storage import ingest, queries
 from ledger.storage.dialect import SqlDialect, sql_dialect
 from ledger.storage.results import RolloutState
-from ledger.storage.tips import TipCache
+from ledger.storage.tips import Heads, TipCache
 from ledger.storage.translate import _translate_error, _translate_pg_error
 from ledger.storage.writer import _GroupCommit
 
@@ -112,6 +112,8 @@ class LedgerCore:
         self._group = _GroupCommit(self.engine) if group_commit else None
         # Digest state of each rollout's latest calls: continuations hash only their suffix.
         self._tips = TipCache()
+        # Postgres's optimistic record: the version its last write left each rollout at.
+        self._heads = Heads()
         # Postgres hot path: asyncpg directly (prepared statements), pools per event loop.
         self._pools: dict[bool, Any] = {}
         self._pool_loop: asyncio.AbstractEventLoop | None = None
@@ -130,6 +132,19 @@ class LedgerCore:
                 await pool.close()
             else:
                 pool.terminate()
+
+    async def warm_up(self, connections: int = 1) -> None:
+        """Check the schema and, on Postgres, open up to ``connections`` hot-path connections
+        in each pool now, not as the first calls arrive (a serving ledger already has them)."""
+        if self.auto_migrate and not self._schema_ready:
+            await self.ensure_schema()
+        if self.dialect != "postgresql":
+            return
+        for lazy in (False, True):
+            pool = await self._pg_pool(lazy=lazy)
+            held = [await pool.acquire() for _ in range(min(connections, pool.get_max_size()))]
+            for conn in held:
+                await pool.release(conn)
 
     async def ensure_schema(self) -> None:
         """Migrate the database to head once per process (guarded against concurrent runs)."""
@@ -179,7 +194,12 @@ class LedgerCore:
             return await aconn.run_sync(body)
 
     async def _run_steps(
-        self, make: Callable[[bool], ingest.Steps], *, flush: bool = True, single: bool = False
+        self,
+        make: Callable[[bool], ingest.Steps],
+        *,
+        flush: bool = True,
+        single: bool = False,
+        optimistic: Sequence[Callable[[], ingest.Steps]] = (),
     ) -> Any:
         """Run one hot-path operation (``ledger.storage.ingest``) and return after its commit
         (``flush=False``: a commit that need not wait for its own flush).
@@ -187,6 +207,9 @@ class LedgerCore:
         SQLite: one write transaction in the group-commit writer.  Postgres: asyncpg with its
         statements folded (``make(True)``), in one transaction, or (``single``: an operation
         whose every statement is atomic on its own) in autocommit, one round trip per statement.
+        ``optimistic`` (Postgres): first try these forms in autocommit, in order (reads without
+        the lock, then one guarded write); one that answers ``ingest.NEED_LOCK`` wrote nothing,
+        and the next runs, the locked transaction last.
         """
         if self.dialect == "sqlite":
             if self._group is None:
@@ -204,6 +227,10 @@ class LedgerCore:
         pool = await self._pg_pool(lazy=not flush)
         try:
             async with pool.acquire() as conn:
+                for attempt in optimistic:
+                    out = await ingest.run_postgres(conn, attempt())
+                    if out is not ingest.NEED_LOCK:
+                        return out
                 if single:
                     return await ingest.run_postgres(conn, make(True))
                 async with conn.transaction():

@@ -10,7 +10,12 @@ Per call, typically: the intent is 2 statements (rollout state, intent row); the
 (rollout state with the call's row, parent candidates, the record over its intent, its tokens,
 its lineage edge, the version bump), plus one read of the parent's generation when the digest
 cache did not see the parent written, and, for a proxied call, one update that cancels the
-failed attempts of the same request (usually none) under the same lock.
+failed attempts of the same request (usually none) under the same lock.  On Postgres the
+intent is one statement, and the record is optimistic: its reads run without the lock, each on
+its own, and its writes are one statement that commits only if the rollout is still open at the
+version the reads saw (else it runs again, under the lock, in one transaction); when this
+ledger's own last write left the rollout at a version it remembers, and the recorded parent is
+one it wrote, the record is that one statement alone.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from ledger.storage.statements import STATEMENTS
 from ledger.storage.tips import PrefixHasher, Tip, TipCache
 
 __all__ = [
+    "NEED_LOCK",
     "OBSERVERS",
     "Outcome",
     "Parent",
@@ -50,6 +56,9 @@ __all__ = [
 
 Step = tuple[str, tuple[Any, ...]]
 Steps = Generator[Step, Sequence[Any], Any]
+
+# What an optimistic record returns when it wrote nothing and must run under the lock.
+NEED_LOCK: Any = object()
 
 # Candidate parents are read this many at a time, longest first.
 CANDIDATE_BATCH = 16
@@ -197,6 +206,8 @@ class Outcome:
     deferred: LedgerError | None = None
     # The failed attempts this record's transaction cancelled (None: none were looked for).
     settled: tuple[str, ...] | None = None
+    # Optimistic (Postgres): the rollout's version and creation time after this write.
+    head: tuple[int, Any] | None = None
 
 
 # --------------------------------------------------------------------------- steps
@@ -224,7 +235,8 @@ def begin_call_steps(
     *,
     folded: bool = False,
 ) -> Steps:
-    """Register a call before dispatch; True when it was new (refused after freeze/retire).
+    """Register a call before dispatch; its row's id when it was new, None for a repeat
+    (refused after freeze/retire).
 
     ``folded`` (Postgres): the lock, the state check and the insert are one statement, which
     can then run on its own (autocommit), one round trip."""
@@ -235,14 +247,14 @@ def begin_call_steps(
             yield ("rollout_create", (rollout_id, False, now, now))
             rows = yield ("intent_register", args)
         refuse_if_closed(rollout_id, rows[0][0], "begin_call")
-        return bool(rows[0][1])
+        return None if rows[0][1] is None else int(rows[0][1])
     rows = yield ("rollout_state", (rollout_id,))
     if not rows:
         yield ("rollout_create", (rollout_id, False, now, now))
         rows = yield ("rollout_state", (rollout_id,))
     refuse_if_closed(rollout_id, rows[0][0], "begin_call")
     rows = yield ("intent_insert", (rollout_id, model_call_id, route, model, now, False))
-    return bool(rows)
+    return int(rows[0][0]) if rows else None
 
 
 def put_steps(
@@ -255,10 +267,21 @@ def put_steps(
     now: Any,
     folded: bool = False,
     settle_key: str | None = None,
+    optimistic: bool = False,
+    head: tuple[int, Any, int | None] | None = None,
 ) -> Steps:
     """Commit one record with its proven lineage edge (design §4.1-4.3, §5.3).
 
     ``folded`` (Postgres): the record's writes go in one statement (one round trip).
+    ``optimistic`` (Postgres, outside a transaction): the reads run without the rollout's lock,
+    each on its own, and the one write commits only if the rollout is still open at the
+    version the first read saw (every change to its captured calls bumps it); returns
+    :data:`NEED_LOCK`, having written nothing, when that does not hold or when the record needs
+    more than the one write (a new rollout, a repeat, a refusal, a drifted edge): the caller
+    then runs the locked form.  ``head`` (with ``optimistic``): the rollout's version and
+    creation time as this ledger's last write left them, and the call's intent id (None: no
+    intent known), which stand in for the first read when the named parent (if any) is a tip
+    this ledger wrote; the write's guard then checks them.
     ``settle_key``: the record answers a request whose earlier attempts may have failed; the
     rollout's open failed attempts noted with this retry key are cancelled in the same
     transaction, under the same lock (when the record is stored or is an identical repeat in
@@ -267,12 +290,27 @@ def put_steps(
     rid, cid = e.rollout_id, e.model_call_id
     decision = prep.decision
     named = decision.parent_call_id if decision is not None else None
-    locked = yield ("rollout_lock", (rid,))
-    rows = (yield ("rollout_and_call", (cid, named, rid))) if locked else []
-    if not rows:  # no rollout row yet: create it, then lock it before reading the call
-        yield ("rollout_create", (rid, False, now, now))
-        yield ("rollout_lock", (rid,))
+    guard: tuple[Any, ...] = ()
+    rows: Sequence[Any]
+    known = None if head is None else _known_parent(prep, named)
+    if known is not None and head is not None:
+        # The rollout's head as this ledger's last write left it, the call's intent as this
+        # ledger registered it, the named parent as this ledger wrote it: no read at all.
+        version, created, call_pk = head
+        rows = [("open", version, call_pk, "intent" if call_pk else None, None, *known)]
+        guard = (rid, version, created)
+    elif optimistic:
         rows = yield ("rollout_and_call", (cid, named, rid))
+        if not rows or rows[0][0] != "open" or rows[0][3] == "captured":
+            return NEED_LOCK  # a new rollout, a repeat or a refusal: decided under the lock
+        guard = (rid, int(rows[0][1]), rows[0][9])
+    else:
+        locked = yield ("rollout_lock", (rid,))
+        rows = (yield ("rollout_and_call", (cid, named, rid))) if locked else []
+        if not rows:  # no rollout row yet: create it, then lock it before reading the call
+            yield ("rollout_create", (rid, False, now, now))
+            yield ("rollout_lock", (rid,))
+            rows = yield ("rollout_and_call", (cid, named, rid))
     state, version, call_pk, status, stored_digest = rows[0][:5]
     recorded = None if rows[0][5] is None else rows[0][5:9]
     if state != "retired" and call_pk is not None and status == "captured":
@@ -337,7 +375,15 @@ def put_steps(
         prep.log_probs,
         _json(e.routed_experts),
     )
-    if folded:
+    if optimistic:
+        # Anything beyond the one write (a drifted edge) is decided under the lock.
+        if decision is not None and decision.parent_call_id is not None and parent is None:
+            return NEED_LOCK
+        if request_fingerprint:
+            rows = yield ("conversation_parent", (rid, request_fingerprint, call_pk or 0))
+            if rows and not _continues(rows[0], parent):
+                return NEED_LOCK
+    if folded or optimistic:
         edge = (
             rid,
             parent.pk if parent else None,
@@ -347,15 +393,22 @@ def put_steps(
             parent is not None,
         )
         settle = (rid, settle_key, now, rid)  # settle_key None: nothing matches
+        prefix = "record_insert" if call_pk is None else "record_over_intent"
+        suffix = "_if" if optimistic else "_all"
         if call_pk is None:
-            rows = yield ("record_insert_all", (rid, cid, now, *values, *tokens, *edge, *settle))
+            args = (*guard, rid, cid, now, *values, *tokens, *edge, *settle)
         else:
-            rows = yield (
-                "record_over_intent_all",
-                (*values, int(call_pk), *tokens, *edge, *settle),
-            )
+            args = (*guard, *values, int(call_pk), *tokens, *edge, *settle)
+        rows = yield (prefix + suffix, args)
+        if not rows:  # optimistic: the rollout changed since the reads
+            return NEED_LOCK
         version, pk = int(rows[0][0]), int(rows[0][1])
         settled = None if settle_key is None else tuple(str(c) for c in rows[0][2])
+        if optimistic:
+            head_after = (version, guard[2])
+            return Outcome(
+                "created", version, pk, parent, is_delta, settled=settled, head=head_after
+            )
         if request_fingerprint:
             yield from diagnose_drift(rid, pk, prep.prompt, parent, request_fingerprint, now)
         yield from record_parent_mismatch(rid, pk, prep, parent, now)
@@ -377,6 +430,17 @@ def put_steps(
     rows = yield ("bump", (now, rid))
     settled = None if settle_key is None else (yield from settle_failed(rid, settle_key))
     return Outcome("created", int(rows[0][0]), pk, parent, is_delta, settled=settled)
+
+
+def _known_parent(prep: Prepared, named: str | None) -> tuple[Any, ...] | None:
+    """The ``rollout_and_call`` columns of the recorded parent, from this ledger's own tip of
+    it (all None when the decision names none); None when the tip is not at hand."""
+    if named is None:
+        return (None, None, None, None)
+    tip = prep.base
+    if tip is None or tip.model_call_id != named:
+        return None
+    return (tip.pk, tip.model_call_id, tip.cumulative_len, tip.digest)
 
 
 def settle_steps(rollout_id: str, retry_key: str, *, folded: bool = False) -> Steps:
@@ -510,11 +574,9 @@ def diagnose_drift(
     if not request_fingerprint:
         return None
     rows = yield ("conversation_parent", (rollout_id, request_fingerprint, child_pk))
-    if not rows:
+    if not rows or _continues(rows[0], parent):
         return None
-    conv_pk, conv_cid, conv_len = int(rows[0][0]), str(rows[0][1]), int(rows[0][2])
-    if parent is not None and (conv_pk == parent.pk or parent.cumulative_len == conv_len):
-        return None  # the token parent itself, or an identical retry of it: nothing drifted
+    conv_pk, conv_cid = int(rows[0][0]), str(rows[0][1])
     chain = yield ("ancestry_to_anchor", (rollout_id, conv_cid, rollout_id))
     cumulative = _rebuild(conv_cid, chain)
     pos = first_mismatch(prompt, cumulative)
@@ -524,6 +586,14 @@ def diagnose_drift(
         (rollout_id, child_pk, conv_pk, "conversation", "drifted", pos, pos, kind, now),
     )
     return None
+
+
+def _continues(conversation: Sequence[Any], parent: Parent | None) -> bool:
+    """The conversation's parent (a ``conversation_parent`` row) is the token parent itself,
+    or an identical retry of it: nothing drifted."""
+    if parent is None:
+        return False
+    return int(conversation[0]) == parent.pk or parent.cumulative_len == int(conversation[2])
 
 
 def _rebuild(model_call_id: str, chain: Sequence[Any]) -> bytes:

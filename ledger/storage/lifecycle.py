@@ -57,6 +57,7 @@ class LifecycleOps(LedgerCore):
         outcome = await self._transact(body)
         if outcome.status == "retired":
             self._tips.forget(rollout_id)
+            self._heads.forget(rollout_id)
         return outcome
 
     async def delete_rollout(self, rollout_id: str) -> bool:
@@ -68,6 +69,7 @@ class LifecycleOps(LedgerCore):
             return bool(res.rowcount)
 
         self._tips.forget(rollout_id)
+        self._heads.forget(rollout_id)
         return await self._transact(body)
 
     async def sweep(self, older_than: timedelta) -> int:

@@ -77,9 +77,10 @@ _ALL = [
         "rollout_and_call",
         "The rollout's state and version with the call's row, if any, and the captured call "
         "the record's recorded parent decision names, if any (NULL: none named), read under "
-        "the lock in one statement.",
+        "the lock in one statement (or, Postgres's optimistic record, before it: the rollout's "
+        "version and creation time then guard the write).",
         """SELECT r.state, r.version, c.id, c.status, c.payload_digest,
-                  p.id, p.model_call_id, p.cumulative_len, p.cumulative_digest
+                  p.id, p.model_call_id, p.cumulative_len, p.cumulative_digest, r.created_at
            FROM rollouts r
            LEFT JOIN calls c ON c.rollout_id = r.rollout_id AND c.model_call_id = ?
            LEFT JOIN calls p
@@ -231,12 +232,28 @@ _PG_TOKENS_EDGE_BUMP = """
     s AS (
       UPDATE calls SET status = 'cancelled'
       WHERE rollout_id = ?::varchar AND status = 'intent' AND extra IS NOT NULL
-        AND {pg_key} = ?::varchar AND id NOT IN (SELECT id FROM c)
+        AND {pg_key} = ?::varchar AND id NOT IN (SELECT id FROM c) AND EXISTS (SELECT 1 FROM c)
       RETURNING model_call_id
     )
     UPDATE rollouts SET version = version + 1, updated_at = ?
-    WHERE rollout_id = ?
+    WHERE rollout_id = ? AND EXISTS (SELECT 1 FROM c)
     RETURNING version, (SELECT id FROM c), ARRAY(SELECT model_call_id FROM s)"""
+
+# Postgres's optimistic record (read without the lock, then write in one statement): the
+# rollout's row, locked by the statement, must still be open at the version and creation time
+# the reads saw; a version bump comes with every change to its captured calls, so an equal
+# version means the reads' decision stands.  No row back: nothing was written.
+_PG_GUARD = """r AS (
+      SELECT 1 FROM rollouts
+      WHERE rollout_id = ? AND version = ? AND created_at = ? AND state = 'open' FOR UPDATE
+    )"""
+
+# The call's columns as typed expressions (an INSERT ... SELECT gives its parameters no type).
+_CALL_CASTS = (
+    "?::varchar, ?::varchar, ?::varchar, ?::int, ?::varchar, ?::float8, ?::timestamptz, "
+    "?::int, ?::int, ?::int, ?::varchar, ?::varchar, ?::varchar, ?::boolean, ?::json, ?::int, "
+    "?::json, ?::varchar, ?::varchar"
+)
 
 _ALL += [
     _pg_only(
@@ -260,9 +277,33 @@ _ALL += [
         + _PG_TOKENS_EDGE_BUMP.format(pg_key=_PG_KEY),
     ),
     _pg_only(
+        "record_over_intent_if",
+        "Postgres's optimistic record over its intent: ``record_over_intent_all`` when the "
+        "rollout is still open at the version and creation time its reads saw (and the call is "
+        "not captured); no row: nothing written.",
+        f"""WITH {_PG_GUARD},
+            c AS (UPDATE calls SET status = 'captured', {_CALL_SET}
+                  WHERE id = ? AND status <> 'captured' AND EXISTS (SELECT 1 FROM r)
+                  RETURNING id),"""
+        + _PG_TOKENS_EDGE_BUMP.format(pg_key=_PG_KEY),
+    ),
+    _pg_only(
+        "record_insert_if",
+        "Postgres's optimistic record without intent: ``record_insert_all`` when the rollout is "
+        "still open at the version and creation time its reads saw and no row has the call's "
+        "id; no row: nothing written.",
+        f"""WITH {_PG_GUARD},
+            c AS (
+              INSERT INTO calls (rollout_id, model_call_id, status, registered_at, {_CALL_COLUMNS})
+              SELECT ?::varchar, ?::varchar, 'captured', ?::timestamptz, {_CALL_CASTS} FROM r
+              ON CONFLICT (rollout_id, model_call_id) DO NOTHING RETURNING id),"""
+        + _PG_TOKENS_EDGE_BUMP.format(pg_key=_PG_KEY),
+    ),
+    _pg_only(
         "intent_register",
         "Postgres: lock the rollout and register the call if the rollout is open, in one "
-        "statement; returns the rollout's state and 1 if the intent is new (nothing: no rollout).",
+        "statement; returns the rollout's state and the intent's id if it is new (nothing: no "
+        "rollout).",
         """WITH r AS (SELECT state FROM rollouts WHERE rollout_id = ? FOR UPDATE),
            ins AS (
              INSERT INTO calls (rollout_id, model_call_id, status, route, model, registered_at,
@@ -270,7 +311,7 @@ _ALL += [
              SELECT ?::varchar, ?::varchar, 'intent', ?::varchar, ?::varchar, ?::timestamptz, false
              FROM r WHERE r.state = 'open'
              ON CONFLICT (rollout_id, model_call_id) DO NOTHING RETURNING id)
-           SELECT r.state, (SELECT count(*) FROM ins) FROM r""",
+           SELECT r.state, (SELECT id FROM ins) FROM r""",
     ),
 ]
 

@@ -18,7 +18,7 @@ from typing import Any
 
 from ledger import codec
 
-__all__ = ["PrefixHasher", "Tip", "TipCache"]
+__all__ = ["Heads", "PrefixHasher", "Tip", "TipCache"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,3 +148,39 @@ class PrefixHasher:
             h.update(view[done * 4 : n * 4])
             done = n
             self._memo[n] = h.copy().hexdigest()
+
+
+class Heads:
+    """Postgres's optimistic record without its read: per rollout, the version and creation
+    time this ledger's last guarded write left it at, and the ids of the intents it registered.
+
+    A hint like the tips: the record's write is guarded by exactly these values (see
+    ``ledger.storage.ingest.put_steps``), so a stale entry only costs the write that finds it
+    stale and the read that follows.  Used on the event loop only; bounded, oldest first out.
+    """
+
+    def __init__(self, *, max_rollouts: int = 65536, max_intents: int = 65536) -> None:
+        self.max_rollouts = max_rollouts
+        self.max_intents = max_intents
+        self._heads: OrderedDict[str, tuple[int, Any]] = OrderedDict()
+        self._intents: OrderedDict[tuple[str, str], int] = OrderedDict()
+
+    def get(self, rollout_id: str) -> tuple[int, Any] | None:
+        return self._heads.get(rollout_id)
+
+    def note(self, rollout_id: str, version: int, created_at: Any) -> None:
+        self._heads[rollout_id] = (version, created_at)
+        self._heads.move_to_end(rollout_id)
+        if len(self._heads) > self.max_rollouts:
+            self._heads.popitem(last=False)
+
+    def note_intent(self, rollout_id: str, model_call_id: str, pk: int) -> None:
+        self._intents[(rollout_id, model_call_id)] = pk
+        if len(self._intents) > self.max_intents:
+            self._intents.popitem(last=False)
+
+    def pop_intent(self, rollout_id: str, model_call_id: str) -> int | None:
+        return self._intents.pop((rollout_id, model_call_id), None)
+
+    def forget(self, rollout_id: str) -> None:
+        self._heads.pop(rollout_id, None)
