@@ -30,6 +30,7 @@ from ledger.ids import MAX_CALL_ID_LEN, is_valid_id
 from ledger.records import TokenEntry
 from ledger.storage import ingest, queries
 from ledger.storage.dialect import SqlDialect, sql_dialect
+from ledger.storage.pgpool import ConnectionPool
 from ledger.storage.results import RolloutState
 from ledger.storage.tips import Heads, TipCache
 from ledger.storage.translate import _translate_error, _translate_pg_error
@@ -115,7 +116,7 @@ class LedgerCore:
         # Postgres's optimistic record: the version its last write left each rollout at.
         self._heads = Heads()
         # Postgres hot path: asyncpg directly (prepared statements), pools per event loop.
-        self._pools: dict[bool, Any] = {}
+        self._pools: dict[bool, ConnectionPool] = {}
         self._pool_loop: asyncio.AbstractEventLoop | None = None
         self._pool_lock = asyncio.Lock()
 
@@ -141,10 +142,7 @@ class LedgerCore:
         if self.dialect != "postgresql":
             return
         for lazy in (False, True):
-            pool = await self._pg_pool(lazy=lazy)
-            held = [await pool.acquire() for _ in range(min(connections, pool.get_max_size()))]
-            for conn in held:
-                await pool.release(conn)
+            await (await self._pg_pool(lazy=lazy)).warm(connections)
 
     async def ensure_schema(self) -> None:
         """Migrate the database to head once per process (guarded against concurrent runs)."""
@@ -243,9 +241,10 @@ class LedgerCore:
                 raise
             raise translated from exc
 
-    async def _pg_pool(self, *, lazy: bool = False) -> Any:
-        """The asyncpg pool of this event loop; ``lazy``: its sessions commit without waiting
-        for the WAL flush (``synchronous_commit=off``), for intents."""
+    async def _pg_pool(self, *, lazy: bool = False) -> ConnectionPool:
+        """The hot path's connections (``ledger.storage.pgpool``) on this event loop; ``lazy``:
+        their sessions commit without waiting for the WAL flush (``synchronous_commit=off``),
+        for intents."""
         loop = asyncio.get_running_loop()
         if self._pool_loop is not loop or lazy not in self._pools:
             async with self._pool_lock:
@@ -258,7 +257,7 @@ class LedgerCore:
                     self._pools[lazy] = await self._new_pool(lazy)
         return self._pools[lazy]
 
-    async def _new_pool(self, lazy: bool) -> Any:
+    async def _new_pool(self, lazy: bool) -> ConnectionPool:
         import asyncpg
 
         from ledger.engine import PG_LOCK_TIMEOUT_MS, PG_STATEMENT_TIMEOUT_MS
@@ -271,16 +270,16 @@ class LedgerCore:
         if lazy:
             settings["synchronous_commit"] = "off"
         dsn = self.engine.url.set(drivername="postgresql").render_as_string(hide_password=False)
+
+        def connect() -> Any:
+            return asyncpg.connect(dsn, server_settings=settings)
+
+        pool = ConnectionPool(connect, max_size=4 if lazy else 10)
         try:
-            return await asyncpg.create_pool(
-                dsn,
-                min_size=1,
-                max_size=4 if lazy else 10,
-                server_settings=settings,
-                reset=_keep_session,
-            )
+            await pool.warm(1)  # the database is reachable now, or unavailable
         except Exception as exc:
             raise Unavailable(f"ledger database unavailable: {exc}") from exc
+        return pool
 
     def _now(self) -> Any:
         return self.sql.now()
@@ -347,10 +346,3 @@ def _failed_attempt(extra: Any) -> dict[str, Any]:
     """The failed-attempt note of an intent row's ``extra`` (empty when there is none)."""
     note = extra.get("failed_attempt") if isinstance(extra, dict) else None
     return note if isinstance(note, dict) else {}
-
-
-async def _keep_session(conn: Any) -> None:
-    """Release an asyncpg hot-path connection to its pool as it is (asyncpg has already rolled
-    back any open transaction): the hot path's statements leave no session state (no SET,
-    cursor, LISTEN or advisory lock), so the default reset query would only cost a round trip
-    per operation."""
