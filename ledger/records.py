@@ -126,8 +126,10 @@ class TokenEntry(BaseModel):
     prompt_is_delta: bool = False
     prefix_requested: bool = False
     prefix_supplied: bool = False
-    # Packed ids from validation: field name -> (the list packed, its length, the bytes).
-    _packed: dict[str, tuple[list[int], int, bytes]] = PrivateAttr(default_factory=dict)
+    # Packed ids from validation: field name -> (the list packed, its length, the bytes).  A
+    # plain default, set by ``_shape``: pydantic inspects a default factory's signature for
+    # every instance (about a twelfth of a Gym record's validation).
+    _packed: dict[str, tuple[list[int], int, bytes]] | None = PrivateAttr(default=None)
 
     @model_validator(mode="before")
     @classmethod
@@ -186,15 +188,17 @@ class TokenEntry(BaseModel):
                 f"token_item_index {self.token_item_index} is out of range for "
                 f"{len(self.output_items)} output_items"
             )
+        packed = {}
         for name in ("prompt_token_ids", "generation_token_ids"):
             ids = getattr(self, name)
             # The codec's int32 packing is the range check (one C pass instead of min + max);
             # the packed bytes are kept for the ledger, which would otherwise pack them again.
             try:
-                self._packed[name] = (ids, len(ids), codec.pack_ids(ids))
+                packed[name] = (ids, len(ids), codec.pack_ids(ids))
             except InvalidRecord:
                 check_token_ids(ids, name)  # raises, naming the first id out of range
                 raise
+        self._packed = packed
         self._check_lineage()
         return self
 
@@ -219,7 +223,7 @@ class TokenEntry(BaseModel):
         """``name``'s ids packed as int32 little-endian: the bytes packed while validating, as
         long as the field still holds that same list (assigning a new list repacks)."""
         ids = getattr(self, name)
-        kept = self._packed.get(name)
+        kept = self._packed.get(name) if self._packed else None
         if kept is not None and kept[0] is ids and kept[1] == len(ids):
             return kept[2]
         return codec.pack_ids(ids)

@@ -11,7 +11,7 @@ these functions, so a record the proxy would refuse cannot be ingested another w
 
 Each check returns the value as a plain list (or float) or raises ``ValueError`` naming the
 first bad position.  The fast paths run in C (one ``orjson`` pass for the ids' types and signs,
-``max``, ``filter``): a per-token Python loop costs milliseconds on long prompts, and records are
+``max``, ``sum``): a per-token Python loop costs milliseconds on long prompts, and records are
 checked on the hot path.
 """
 
@@ -35,7 +35,6 @@ __all__ = [
 MAX_TOKEN_ID = 2**31 - 1  # ids are stored as int32
 MAX_CREATED_AT = 253402300799.0  # 9999-12-31T23:59:59Z
 NEG_INF_TEXT = "-Infinity"
-_NOT_POSITIVE = (0.0).__ge__  # 0 >= x: False for NaN, +inf and positives
 
 
 def _is_int(value: Any) -> bool:
@@ -131,10 +130,14 @@ def check_log_probs(value: Any, where: str, *, types_only: bool = False) -> list
         raise ValueError(f"{where} must be a list of log-probabilities, not {type(value).__name__}")
     if not value:
         return value
-    if set(map(type, value)) <= {float, int} and (
-        types_only or len(list(filter(_NOT_POSITIVE, value))) == len(value)
-    ):
-        return value
+    if set(map(type, value)) <= {float, int}:
+        # Every value <= 0 and none NaN: the largest is <= 0 and the sum is a number (NaN
+        # anywhere makes it NaN; with no +inf, -inf only makes it -inf).
+        if types_only:
+            return value
+        total = sum(value)
+        if max(value) <= 0.0 and total == total:
+            return value
     return [_log_prob(item, where, i, types_only) for i, item in enumerate(value)]
 
 
