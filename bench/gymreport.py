@@ -345,9 +345,20 @@ NOTES = """## How the ingest path works now (issue 12)
   driver run alike. SQLAlchemy stays for the schema, migrations, reads and rare writes. A call
   is typically 2 statements for the intent and 5 for the record on SQLite (was 14.9 in all):
   the rollout's state, the call's row and the call a recorded parent decision names are one
-  read. On Postgres the intent is one autocommit statement (`synchronous_commit=off`) and the
-  record is the lock, that read and one statement for its writes; pool connections go back
-  without asyncpg's reset query (the hot path leaves no session state).
+  read. On Postgres the intent is one autocommit statement (`synchronous_commit=off`).
+- **Postgres records are optimistic.** The record's reads run without the rollout's lock, each
+  on its own, and all its writes are one statement that first locks the rollout's row and
+  writes only if the rollout is still open at the version and creation time the reads saw
+  (every change to a rollout's captured calls bumps its version, so an equal version means the
+  reads' decision stands). When this ledger's own last write left the rollout at a version it
+  remembers, the intent is one it registered and the recorded parent one it wrote, the reads
+  are skipped: a Gym-stamped record is one round trip (it was five: BEGIN, the lock, the read,
+  the write, COMMIT). A guard that finds the rollout changed writes nothing; the record is
+  decided again on fresh reads, then under the lock in one transaction (a new rollout, a
+  repeat, a refusal or a drifted edge always take that path). The hot path's connections come
+  from a small pool of the ledger's own (`ledger/storage/pgpool.py`): asyncpg's pool wraps
+  every checkout in a proxy, a queue and a shielded release task, about a tenth of the
+  client's CPU per call at two checkouts a call.
 - **Group commit without a flush in the critical section.** The SQLite writer commits each
   batch with `synchronous=NORMAL` and two flusher threads `fdatasync` the WAL behind it (the
   flush `synchronous=FULL` would do inside the commit); a write that promises durability is
@@ -397,36 +408,43 @@ NOTES = """## How the ingest path works now (issue 12)
 
 ## What is not met, and why
 
-- **SQLite throughput (about 2x of 2.5x).** CPU-bound on one core. Since the writer
-  commits hot-path batches on the caller's loop (handing each write to the writer thread and
-  back made the two threads take turns on the GIL after every statement), a call costs about
-  0.74 ms of CPU in all on the 8x50 workload, almost all of it on the event-loop thread: the
-  batch's statements and commit about a quarter, packing and hashing (Gym's digest check
-  included) a quarter, validating the record a sixth, the rest the capture API and asyncio's
-  own bookkeeping; the flushers' `fdatasync` runs beside it. That bounds one process near
-  1,350 calls/s here, and 2.5x Gym's ~680 needs ~1,700: closing the rest takes the per-call
-  Python work down by another quarter (native packing and validation), not a new structure.
-- **Postgres throughput (about 1.0x of 1.5x).** Per call ~1.1-1.25 ms of client CPU (about a
-  third of it asyncio and asyncpg bookkeeping around the round trips) and about as much in
-  the server, both on the same two cores; a call is 6 round trips (the intent; BEGIN, the
-  lock, the read, the folded write, COMMIT). Batching several calls into one transaction on
-  one connection was tried: it cut client CPU per call by ~15% but serialized every
-  statement on that connection, and throughput did not move (633-680 calls/s against
-  668-687), so it was not kept. What is left: fewer round trips per record (a single
-  statement for a record whose parent is known), less client work per round trip.
-- **Proxy overhead at 16k tokens (about 6 ms, root and continuation alike, of 5).** Measured
-  on the answer path of a root call: the intent 0.3 ms; the upstream hop about 1 ms above a
-  direct request (httpx on a 90 KB answer with ids and log-probs, which the bare proxy does
-  not ask for); parsing the answer 0.26 ms and extracting the tokens 0.3 ms; the record
-  2 ms (packing 16k ids 0.25 ms, deflating the byte-tokenizer's skewed planes about 0.4 ms,
-  the statements and commit, and the WAL flush, about 0.45 ms of it, before the answer by
-  design); the log line 0.1 ms.
+Figures in this section are from the run above on this machine (an AMD EPYC that ran Gym's
+store at 255-302 calls/s, against 650-700 on the Intel Xeon the previous report came from;
+the ledger's figures are ratios against it, but its absolute targets, ms and calls/s, are not).
+
+- **SQLite throughput (about 1.7x here, 2.0x on the faster machine, of 2.5x).** CPU-bound on
+  one core: the process's CPU per call is ~1.9 ms here (0.74 ms there), almost all of it on
+  the event-loop thread: the batch's statements and commit about a quarter, packing and
+  hashing (Gym's digest check included) a quarter, validating the record a sixth, the rest the
+  capture API and asyncio's own bookkeeping; the flushers' `fdatasync` runs beside it.
+  Closing the rest takes the per-call Python work down by another third (native packing and
+  validation), not a new structure.
+- **Postgres throughput (about 1.3x, range 1.1-1.6 over this session's runs, of 1.5x).** A
+  Gym-stamped call is now two round trips (the intent; the record's one guarded statement),
+  and the ledger process's event loop is the bottleneck: during the run one core is ~90% busy
+  with it while Postgres uses about a third of the other (system-wide profile), so what is
+  left is the client's Python per call (~1.7-2.0 ms here: validation, packing and hashing as
+  on SQLite, plus asyncpg's encoding of the record's ~45 parameters), the same work as above.
+- **Postgres freeze + build (0.33x here, 0.20x on the faster machine, of 0.25x).** The build
+  is the same Python as SQLite's (replaying and checking the chain, projecting) plus about a
+  dozen round trips (8 statements and two write transactions), each slower on this machine.
+- **The 200-turn build (168 ms SQLite, 217 ms Postgres here; 74 and 78 ms on the faster
+  machine).** The projection writes each call's full prompt into its output item (the output
+  format), so freeze + build grows with turns x context (about 45 ms of it at 200 turns on the
+  faster machine is copying those prefixes); that is the builder's side, not ingest.
+- **Proxy overhead at 16k tokens (about 14 ms here, 6 ms on the faster machine, of 5).** The
+  server's CPU per proxied call is 14.6 ms against the bare proxy's 6.5 ms. Measured on the
+  answer path of a root call on the faster machine: the intent 0.3 ms; the upstream hop about
+  1 ms above a direct request (httpx, pure Python over h11 and anyio, on a 90 KB answer with
+  ids and log-probs, which the bare proxy does not ask for); parsing the answer 0.26 ms and
+  extracting the tokens 0.3 ms; the record 2 ms (packing 16k ids 0.25 ms, deflating the
+  byte-tokenizer's skewed planes about 0.4 ms, the statements and commit, and the WAL flush,
+  about 0.45 ms of it, before the answer by design); the log line 0.1 ms. An upstream client
+  with a C parser (aiohttp) is the next step; the proxy's tests inject httpx transports, so it
+  is a change of its own.
 - Full-prompt records (the proxy's, and Gym's with delta records off) still cost O(context)
   per call: the record arrives as a Python list of every prompt id, and checking it and
   packing it are C-speed passes over the whole prompt.
-- The 200-turn build: projection writes each call's full prompt into its output item (the
-  output format), so freeze + build grows with turns x context (about 45 ms of it at 200
-  turns is copying those prefixes); that is the builder's side, not ingest.
 """
 
 

@@ -292,7 +292,7 @@ def put_steps(
     named = decision.parent_call_id if decision is not None else None
     guard: tuple[Any, ...] = ()
     rows: Sequence[Any]
-    known = None if head is None else _known_parent(prep, named)
+    known = None if head is None or not optimistic else _known_parent(prep, named)
     if known is not None and head is not None:
         # The rollout's head as this ledger's last write left it, the call's intent as this
         # ledger registered it, the named parent as this ledger wrote it: no read at all.
