@@ -46,7 +46,7 @@ class CaptureOps(LineageOps):
             flush=self.flush_intents,
             single=True,
         )
-        if pk is not None and self.dialect == "postgresql":
+        if pk is not None and self.sql.optimistic_records:
             self._heads.note_intent(rollout_id, model_call_id, pk)
         return pk is not None
 
@@ -139,10 +139,11 @@ class CaptureOps(LineageOps):
 
         rid = entry.rollout_id
         tries: list[Callable[[], ingest.Steps]] = []
-        if self.dialect == "postgresql":
+        if self.sql.optimistic_records:
             known = self._heads.get(rid)
+            intent = self._heads.pop_intent(rid, entry.model_call_id)
             if known is not None:
-                head = (*known, self._heads.pop_intent(rid, entry.model_call_id))
+                head = (*known, intent)
                 tries.append(lambda: steps(True, optimistic=True, head=head))
             tries.append(lambda: steps(True, optimistic=True))
 

@@ -33,6 +33,11 @@ class SqlDialect(ABC):
     # consistent snapshot, and the transaction's two round trips are saved); SQLite reads in a
     # read transaction of the pool.
     lone_reads_in_autocommit: ClassVar[bool] = False
+    # Records are written optimistically (``ledger.storage.ingest.put_steps``): reads without
+    # the rollout's lock, then one write guarded by its version, the rollout heads this ledger
+    # wrote remembered (Postgres: the lock is a round trip; SQLite's writer already holds the
+    # database's write lock, so there is nothing to save).
+    optimistic_records: ClassVar[bool] = False
 
     @abstractmethod
     def insert(self, table: sa.Table) -> Any:
@@ -69,6 +74,7 @@ class SqlDialect(ABC):
 class PostgresDialect(SqlDialect):
     name = "postgresql"
     lone_reads_in_autocommit = True
+    optimistic_records = True
 
     def insert(self, table: sa.Table) -> Any:
         return postgresql.insert(table)
