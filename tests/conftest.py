@@ -62,19 +62,24 @@ def backend(request: pytest.FixtureRequest) -> str:
     return str(request.param)
 
 
-@pytest.fixture
-def db_url(backend: str, tmp_path: Path) -> str:
-    """A migrated database: a fresh SQLite file, or the run's Postgres database."""
+def migrated_postgres() -> str:
+    """The run's Postgres database, migrated to head (once per run)."""
     global _pg_migrated
-    if backend == "sqlite":
-        url = f"sqlite+aiosqlite:///{tmp_path / 'ledger.db'}"
-        migrate.upgrade(url)
-        return url
     url = require_postgres()
     if not _pg_migrated:
         migrate.upgrade(url)
         _pg_migrated = True
     return url
+
+
+@pytest.fixture
+def db_url(backend: str, tmp_path: Path) -> str:
+    """A migrated database: a fresh SQLite file, or the run's Postgres database."""
+    if backend == "sqlite":
+        url = f"sqlite+aiosqlite:///{tmp_path / 'ledger.db'}"
+        migrate.upgrade(url)
+        return url
+    return migrated_postgres()
 
 
 @pytest.fixture

@@ -19,7 +19,7 @@ from ledger.records import coerce_entry
 from ledger.storage import ingest
 from ledger.storage.statements import STATEMENTS
 from ledger.store import Ledger
-from tests.conftest import require_postgres
+from tests.conftest import migrated_postgres, require_postgres
 from tests.test_lineage import capture_sql
 from tests.test_promises import rec
 
@@ -30,9 +30,8 @@ SYS = list(range(200, 240))
 
 @pytest.fixture
 async def pg() -> AsyncIterator[tuple[Ledger, asyncpg.Connection]]:
-    url = require_postgres()
+    url = migrated_postgres()
     led = Ledger(url)
-    await led.ensure_schema()
     conn = await asyncpg.connect(url.replace("postgresql+asyncpg://", "postgresql://"))
     try:
         yield led, conn
@@ -43,7 +42,7 @@ async def pg() -> AsyncIterator[tuple[Ledger, asyncpg.Connection]]:
 
 @pytest.fixture
 def db_url_pg() -> str:
-    return require_postgres()
+    return migrated_postgres()
 
 
 def _steps(led: Ledger, record: dict[str, Any]) -> ingest.Steps:

@@ -137,16 +137,6 @@ class CaptureOps(LineageOps):
                 prep = ingest.prepare(entry, self._tips)
         now = self._now()
 
-        rid = entry.rollout_id
-        tries: list[Callable[[], ingest.Steps]] = []
-        if self.sql.optimistic_records:
-            known = self._heads.get(rid)
-            intent = self._heads.pop_intent(rid, entry.model_call_id)
-            if known is not None:
-                head = (*known, intent)
-                tries.append(lambda: steps(True, optimistic=True, head=head))
-            tries.append(lambda: steps(True, optimistic=True))
-
         def steps(
             folded: bool, optimistic: bool = False, head: tuple[int, Any, int | None] | None = None
         ) -> ingest.Steps:
@@ -163,10 +153,20 @@ class CaptureOps(LineageOps):
                 head=head,
             )
 
+        rid = entry.rollout_id
+        tries: list[Callable[[], ingest.Steps]] = []
+        if self.sql.optimistic_records:
+            known = self._heads.get(rid)
+            intent = self._heads.pop_intent(rid, entry.model_call_id)
+            if known is not None:
+                head = (*known, intent)
+                tries.append(lambda: steps(True, optimistic=True, head=head))
+            tries.append(lambda: steps(True, optimistic=True))
+
         out: ingest.Outcome = await self._run_steps(steps, optimistic=tries)
         if out.head is not None:
             self._heads.note(rid, *out.head)
-        else:
+        elif tries:  # written under the lock: the rollout's head is not known
             self._heads.forget(rid)
         if out.deferred is not None:
             raise out.deferred

@@ -377,7 +377,7 @@ def put_steps(
     )
     if optimistic:
         # Anything beyond the one write (a drifted edge) is decided under the lock.
-        if decision is not None and decision.parent_call_id is not None and parent is None:
+        if _unproven_recorded_parent(prep, parent) is not None:
             return NEED_LOCK
         if request_fingerprint:
             rows = yield ("conversation_parent", (rid, request_fingerprint, call_pk or 0))
@@ -484,14 +484,23 @@ def parent_for(
     return None
 
 
+def _unproven_recorded_parent(prep: Prepared, parent: Parent | None) -> str | None:
+    """The call the writer recorded as the parent when no parent was proven (a drifted edge
+    may be owed to it); None otherwise."""
+    decision = prep.decision
+    if decision is None or parent is not None:
+        return None
+    return decision.parent_call_id
+
+
 def record_parent_mismatch(
     rollout_id: str, child_pk: int, prep: Prepared, parent: Parent | None, now: Any
 ) -> Steps:
     """Store a drifted edge when the writer's recorded parent is not a prefix of the prompt."""
-    decision = prep.decision
-    if decision is None or decision.parent_call_id is None or parent is not None:
+    named = _unproven_recorded_parent(prep, parent)
+    if named is None:
         return None
-    rows = yield ("recorded_parent", (rollout_id, decision.parent_call_id))
+    rows = yield ("recorded_parent", (rollout_id, named))
     if not rows:
         return None
     parent_pk, parent_cid = int(rows[0][0]), str(rows[0][1])
