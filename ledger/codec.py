@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import struct
 import sys
 import zlib
 from array import array
@@ -87,14 +88,21 @@ def _from_le(typecode: str, data: bytes) -> array:  # type: ignore[type-arg]
 
 
 def pack_ids(ids: Sequence[int]) -> bytes:
-    """Pack token ids as int32 little-endian; ids outside the int32 range are refused."""
+    """Pack token ids as int32 little-endian; ids outside the int32 range are refused.
+
+    ``struct`` packs a list in one C pass straight into little-endian bytes, about twice as fast
+    as ``array("i", ids)`` on a long prompt (which converts each id, then copies the array);
+    the same values are accepted (Python ``int``, bools included) and refused."""
     try:
-        return _to_le(array("i", ids))
-    except OverflowError:
+        return struct.pack(f"<{len(ids)}i", *ids)
+    except struct.error:
+        for bad in ids:
+            if not isinstance(bad, int):
+                raise InvalidRecord(
+                    f"token ids must be integers: {type(bad).__name__} {bad!r} is not"
+                ) from None
         bad = next(i for i in ids if not -(2**31) <= i < 2**31)
         raise InvalidRecord(f"token id {bad} is outside the int32 range") from None
-    except TypeError as exc:
-        raise InvalidRecord(f"token ids must be integers: {exc}") from None
 
 
 def unpack_ids(data: bytes) -> list[int]:
@@ -104,15 +112,17 @@ def unpack_ids(data: bytes) -> list[int]:
 def pack_log_probs(values: Sequence[float]) -> tuple[str, bytes]:
     """Pack log-probs in the narrowest float width that round-trips every value exactly."""
     try:
-        f64 = array("d", values)
+        f32 = array("f", values)
     except TypeError as exc:
         raise InvalidRecord(f"log-probs must be numbers: {exc}") from None
+    # Straight from the values (converting a float64 array first costs twice as much); a NaN
+    # never compares equal, so it takes the float64 path and is refused there.
+    if f32.tolist() == (values if isinstance(values, list) else list(values)):
+        return LOGPROB_F32, _to_le(f32)  # float32 keeps the sign of zero and infinities
+    f64 = array("d", values)
     total = sum(f64)  # NaN (C-speed) when any value is NaN; the exact check only then
     if total != total and any(math.isnan(v) for v in f64):
         raise InvalidRecord("log-probs must not be NaN")
-    f32 = array("f", f64)
-    if f32.tolist() == f64.tolist():  # float32 keeps the sign of zero and infinities
-        return LOGPROB_F32, _to_le(f32)
     return LOGPROB_F64, _to_le(f64)
 
 

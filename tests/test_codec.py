@@ -46,6 +46,34 @@ def test_ids_outside_int32_are_refused(bad: int) -> None:
         codec.pack_ids([1, bad])
 
 
+@given(st.lists(int32, max_size=300))
+def test_ids_pack_as_int32_little_endian(ids: list[int]) -> None:
+    # The packed form is the digests' and the stored rows' format: fixed, whatever packs it.
+    assert codec.pack_ids(ids) == b"".join(struct.pack("<i", i) for i in ids)
+    assert codec.pack_ids(tuple(ids)) == codec.pack_ids(ids)
+
+
+@pytest.mark.parametrize("bad", [1.0, "7", None, [3]])
+def test_ids_that_are_not_integers_are_refused(bad: object) -> None:
+    with pytest.raises(InvalidRecord, match="integers"):
+        codec.pack_ids([1, bad, 2])  # type: ignore[list-item]
+
+
+@pytest.mark.parametrize("nan_at", [0, 1, 2])
+def test_nan_is_refused_wherever_it_sits(nan_at: int) -> None:
+    values = [-0.5, -0.25, -0.125]
+    values[nan_at] = math.nan
+    with pytest.raises(InvalidRecord, match="NaN"):
+        codec.pack_log_probs(values)
+    with pytest.raises(InvalidRecord, match="NaN"):
+        codec.pack_log_probs([-0.1, *values])  # on the float64 path too
+
+
+def test_log_probs_that_are_not_numbers_are_refused() -> None:
+    with pytest.raises(InvalidRecord, match="numbers"):
+        codec.pack_log_probs([-0.5, "x"])  # type: ignore[list-item]
+
+
 def test_nan_log_prob_is_refused() -> None:
     with pytest.raises(InvalidRecord, match="NaN"):
         codec.pack_log_probs([-0.1, math.nan])
