@@ -100,6 +100,10 @@ def _register(app: typer.Typer) -> None:
             level=5 if log_level == "trace" else log_level.upper(),
             format="%(asctime)s %(levelname)s %(name)s %(message)s",
         )
+        if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
+            # httpx logs every upstream request at INFO: a second line per call beside the
+            # proxy's own "captured" line, and a tenth of a millisecond of the answer path.
+            logging.getLogger("httpx").setLevel(logging.WARNING)
         import asyncio
 
         from ledger.presence import display_url, require_ledger, sqlite_path
