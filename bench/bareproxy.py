@@ -3,6 +3,12 @@ httptools, httpx, orjson) and no ledger: the reference the proxy-overhead target
 against.  ``python -m bench.bareproxy --port P --upstream URL`` forwards
 ``/ng-rollout/<id>/training-token-capture/<rest>`` to ``URL/<rest>`` unchanged and answers with
 the upstream's answer unchanged (no capture fields, nothing recorded).
+
+``--capture-body``: the request goes upstream as the ledger sends it (``build_chat_upstream``:
+token ids and log-probs asked for, sampling pinned) and the answer, ids and all, comes back
+unchanged.  That anchor pays what any capture must (the engine's longer answer, carried and
+parsed by the proxy) and nothing of the ledger's own work (extraction, the record, its
+commit), so the distance to it is the ledger's share of the overhead.
 """
 
 from __future__ import annotations
@@ -11,11 +17,14 @@ import argparse
 from typing import Any
 
 import httpx
+import orjson
 import uvicorn
 from fastapi import FastAPI, Request, Response
 
+from api.dialects import build_chat_upstream
 
-def make_app(upstream: str) -> FastAPI:
+
+def make_app(upstream: str, *, capture_body: bool = False) -> FastAPI:
     app = FastAPI()
     client = httpx.AsyncClient(base_url=upstream, timeout=300)
 
@@ -25,8 +34,11 @@ def make_app(upstream: str) -> FastAPI:
 
     @app.post("/ng-rollout/{rollout_id}/training-token-capture/{rest:path}")
     async def forward(rollout_id: str, rest: str, request: Request) -> Response:
+        raw = await request.body()
+        if capture_body:
+            raw = orjson.dumps(build_chat_upstream(orjson.loads(raw)).body)
         resp = await client.post(
-            "/" + rest, content=await request.body(), headers={"content-type": "application/json"}
+            "/" + rest, content=raw, headers={"content-type": "application/json"}
         )
         return Response(resp.content, status_code=resp.status_code, media_type="application/json")
 
@@ -37,9 +49,10 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--port", type=int, required=True)
     ap.add_argument("--upstream", required=True)
+    ap.add_argument("--capture-body", action="store_true", help="ask the upstream for tokens")
     args = ap.parse_args()
     uvicorn.run(
-        make_app(args.upstream),
+        make_app(args.upstream, capture_body=args.capture_body),
         host="127.0.0.1",
         port=args.port,
         log_level="warning",

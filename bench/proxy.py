@@ -381,9 +381,11 @@ def _overhead_summary(rows: dict[str, list[dict[str, float]]]) -> dict[str, Any]
     return out
 
 
-def bare_command(port: int, upstream: str) -> list[str]:
-    """The bare pass-through proxy (``bench.bareproxy``): the anchor the ledger is held to."""
-    return [sys.executable, "-m", "bench.bareproxy", "--port", str(port), "--upstream", upstream]
+def bare_command(port: int, upstream: str, *, capture_body: bool = False) -> list[str]:
+    """The bare pass-through proxy (``bench.bareproxy``): the anchor the ledger is held to;
+    ``capture_body``: the one that also asks the upstream for tokens (the ledger's own share)."""
+    argv = [sys.executable, "-m", "bench.bareproxy", "--port", str(port), "--upstream", upstream]
+    return [*argv, "--capture-body"] if capture_body else argv
 
 
 async def compare_overhead(
@@ -401,7 +403,7 @@ async def compare_overhead(
     upstream, in this one run, interleaved (:func:`overhead_interleaved`).  ``db_url(label)``
     gives a fresh migrated database per server.  ``above_bare_<step>_ms``: p50 through the
     ledger minus p50 through the bare proxy."""
-    kinds = ["bare", *(["before"] if before is not None else []), "ledger"]
+    kinds = ["bare", "bare_capture", *(["before"] if before is not None else []), "ledger"]
     out: dict[str, Any] = {}
     sim_port = free_port()
     sim = ServerProcess(sim_command(sim_port, 300), sim_port, "/health", tmp / "sim.log")
@@ -410,8 +412,8 @@ async def compare_overhead(
         servers: dict[str, ServerProcess] = {}
         for kind in kinds:
             port = free_port()
-            if kind == "bare":
-                argv = bare_command(port, sim.url)
+            if kind in ("bare", "bare_capture"):
+                argv = bare_command(port, sim.url, capture_body=kind == "bare_capture")
             else:
                 argv = serve_command(await db_url(kind), sim.url, port)
             root = before if kind == "before" and before is not None else ROOT
@@ -447,6 +449,11 @@ async def compare_overhead(
             out[f"{key}_{step}_ms"] = (
                 out[kind][step]["proxy_ms"]["p50"] - out["bare"][step]["proxy_ms"]["p50"]
             )
+    for step in ("root", "continuation"):
+        # The ledger's own share: above the pass-through that also asks for the tokens.
+        out[f"above_bare_capture_{step}_ms"] = (
+            out["ledger"][step]["proxy_ms"]["p50"] - out["bare_capture"][step]["proxy_ms"]["p50"]
+        )
     return out
 
 
@@ -490,7 +497,7 @@ def main(argv: list[str] | None = None) -> int:
     for key, value in out.items():
         if key.endswith("_ms"):
             print(f"{key}: {value:.2f}")
-    for kind in ("bare", "before", "ledger"):
+    for kind in ("bare", "bare_capture", "before", "ledger"):
         if kind in out:
             for step in ("root", "continuation"):
                 r = out[kind][step]
