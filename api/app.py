@@ -19,6 +19,7 @@ from api.health import HealthCheck
 from api.limits import discover_context_length, record_token_cap
 from api.metrics import Metrics
 from api.routes import router as ledger_router
+from api.upstream import AiohttpPoster, HttpxPoster
 from ledger.config import Settings
 from ledger.redact import install_log_redaction
 from ledger.store import Ledger
@@ -113,16 +114,27 @@ def create_app(
         timeout = httpx.Timeout(
             settings.upstream_timeout_s, connect=settings.upstream_connect_timeout_s
         )
-        base, upstream_auth = _split_userinfo(settings.upstream or "http://upstream.invalid")
+        base, credentials = _split_userinfo(settings.upstream or "http://upstream.invalid")
         if settings.upstream_api_key:
-            upstream_auth = None  # the configured key is sent as a bearer token instead
+            credentials = None  # the configured key is sent as a bearer token instead
         app.state.upstream = httpx.AsyncClient(
             # Credentials in the URL go into an auth object, so no log line shows them.
             base_url=base,
-            auth=upstream_auth,
+            auth=httpx.BasicAuth(*credentials) if credentials else None,
             timeout=timeout,
             transport=upstream_transport,
             limits=httpx.Limits(max_connections=512, max_keepalive_connections=128),
+        )
+        # The generating POST: over aiohttp, unless a test injected an httpx transport.
+        app.state.upstream_post = (
+            HttpxPoster(app.state.upstream)
+            if upstream_transport is not None
+            else AiohttpPoster(
+                base,
+                timeout_s=settings.upstream_timeout_s,
+                connect_timeout_s=settings.upstream_connect_timeout_s,
+                basic_auth=credentials,
+            )
         )
         discovered = None
         if settings.upstream is not None and settings.max_record_tokens is None:
@@ -136,6 +148,7 @@ def create_app(
         try:
             yield
         finally:
+            await app.state.upstream_post.aclose()
             await app.state.upstream.aclose()
             if own_ledger:
                 await app.state.ledger.close()
@@ -186,10 +199,9 @@ REDACTED_LOGGERS = (
 )
 
 
-def _split_userinfo(url: str) -> tuple[str, httpx.BasicAuth | None]:
-    """``http://user:pw@host/x`` → (``http://host/x``, BasicAuth(user, pw))."""
+def _split_userinfo(url: str) -> tuple[str, tuple[str, str] | None]:
+    """``http://user:pw@host/x`` → (``http://host/x``, (user, pw))."""
     parsed = httpx.URL(url)
     if not parsed.userinfo:
         return url, None
-    auth = httpx.BasicAuth(parsed.username, parsed.password)
-    return str(parsed.copy_with(username=None, password=None)), auth
+    return str(parsed.copy_with(username=None, password=None)), (parsed.username, parsed.password)

@@ -1,6 +1,7 @@
 """A bare pass-through proxy on the same stack as ``rollout-ledger serve`` (FastAPI, uvicorn with
-httptools, httpx, orjson) and no ledger: the reference the proxy-overhead target is measured
-against.  ``python -m bench.bareproxy --port P --upstream URL`` forwards
+httptools, the proxy's own aiohttp poster for the upstream POST, orjson) and no ledger: the
+reference the proxy-overhead target is measured against.
+``python -m bench.bareproxy --port P --upstream URL`` forwards
 ``/ng-rollout/<id>/training-token-capture/<rest>`` to ``URL/<rest>`` unchanged and answers with
 the upstream's answer unchanged (no capture fields, nothing recorded).
 
@@ -16,17 +17,17 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-import httpx
 import orjson
 import uvicorn
 from fastapi import FastAPI, Request, Response
 
 from api.dialects import build_chat_upstream
+from api.upstream import AiohttpPoster
 
 
 def make_app(upstream: str, *, capture_body: bool = False) -> FastAPI:
     app = FastAPI()
-    client = httpx.AsyncClient(base_url=upstream, timeout=300)
+    poster = AiohttpPoster(upstream, timeout_s=300, connect_timeout_s=10)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, Any]:
@@ -37,10 +38,8 @@ def make_app(upstream: str, *, capture_body: bool = False) -> FastAPI:
         raw = await request.body()
         if capture_body:
             raw = orjson.dumps(build_chat_upstream(orjson.loads(raw)).body)
-        resp = await client.post(
-            "/" + rest, content=raw, headers={"content-type": "application/json"}
-        )
-        return Response(resp.content, status_code=resp.status_code, media_type="application/json")
+        resp = await poster.post("/" + rest, raw, {"content-type": "application/json"})
+        return Response(resp.body, status_code=resp.status, media_type="application/json")
 
     return app
 

@@ -1,7 +1,8 @@
 """Fixtures for proxy tests: a simulated vLLM and the proxy, each on a real loopback port.
 
-``Stack`` records every upstream answer as it crossed the wire (``stack.sampled``), which is
-what the engine sampled: the tests compare delivered chains against it, token for token.
+``Stack`` records every capture answer as the engine sent it (``stack.sampled``), which is what
+the engine sampled: the tests compare delivered chains against it, token for token.  The proxy
+reaches the engine over its own upstream clients (aiohttp for generating calls), as in serving.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 import pytest
 
 from api.app import create_app
@@ -25,36 +25,55 @@ from rollout_sim import ByteTokenizer, SimEngine, ThreadedServer
 from tests.conftest import BACKENDS, require_postgres
 
 
-class RecordingTransport(httpx.AsyncHTTPTransport):
-    """The proxy's upstream transport, keeping each generating answer's JSON."""
+class RecordingUpstream:
+    """The simulated engine's ASGI app, keeping the JSON of each capture answer (a generating
+    request that asked for token ids) as it leaves the engine, before the proxy reads it.
+    Pass-through requests (the harness's own bodies) are not kept."""
 
-    def __init__(self, sink: list[dict[str, Any]]) -> None:
-        super().__init__()
+    PATHS = ("/v1/chat/completions", "/v1/completions")
+
+    def __init__(self, app: Any, sink: list[dict[str, Any]]) -> None:
+        self.app = app
         self.sink = sink
 
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        response = await super().handle_async_request(request)
-        if request.url.path in ("/v1/chat/completions", "/v1/completions") and _asked_for_ids(
-            request
-        ):
-            body = await response.aread()
-            if response.status_code == 200:
-                self.sink.append(json.loads(body))
-            # An unread stream, so the proxy can still read (or stream) the answer.
-            return httpx.Response(
-                response.status_code,
-                headers=response.headers,
-                stream=httpx.ByteStream(body),
-                request=request,
-            )
-        return response
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in self.PATHS:
+            await self.app(scope, receive, send)
+            return
+        messages: list[dict[str, Any]] = []
+        while not messages or messages[-1].get("more_body", False):
+            messages.append(await receive())
+            if messages[-1]["type"] != "http.request":
+                break
+        pending = iter(messages)
+
+        async def replay() -> Any:
+            return next(pending, None) or await receive()
+
+        if not _asked_for_ids(b"".join(m.get("body", b"") for m in messages)):
+            await self.app(scope, replay, send)
+            return
+        status = 0
+        chunks: list[bytes] = []
+
+        async def keep(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            elif message["type"] == "http.response.body":
+                chunks.append(message.get("body", b""))
+                if not message.get("more_body", False) and status == 200:
+                    self.sink.append(json.loads(b"".join(chunks)))
+            await send(message)
+
+        await self.app(scope, replay, keep)
 
 
-def _asked_for_ids(request: httpx.Request) -> bool:
-    """A capture request (the proxy asked for token ids); pass-through bodies stream."""
+def _asked_for_ids(body: bytes) -> bool:
+    """A capture request (the proxy asked for token ids); pass-through bodies are not kept."""
     try:
-        sent = json.loads(request.content)
-    except (httpx.RequestNotRead, ValueError):
+        sent = json.loads(body)
+    except ValueError:
         return False
     return isinstance(sent, dict) and sent.get("return_token_ids") is True
 
@@ -123,10 +142,10 @@ def start_stack(
     db_url: str, engine: SimEngine | None = None, **settings_kw: Any
 ) -> Iterator[Stack]:
     engine = engine or SimEngine(ByteTokenizer(), model_name="smol", max_model_len=16384, seed=7)
-    with ThreadedServer(engine.app) as upstream:
+    sampled: list[dict[str, Any]] = []
+    with ThreadedServer(RecordingUpstream(engine.app, sampled)) as upstream:
         settings = load_settings(db=db_url, upstream=upstream.url + "/v1", **settings_kw)
-        sampled: list[dict[str, Any]] = []
-        app = create_app(settings, upstream_transport=RecordingTransport(sampled))
+        app = create_app(settings)
         with ThreadedServer(app, lifespan="on", startup_timeout=60) as proxy:
             yield Stack(engine, upstream.url, proxy.url, db_url, settings, sampled)
 

@@ -22,7 +22,7 @@ import pytest
 from api.app import create_app
 from ledger.config import load_settings
 from rollout_sim import ByteTokenizer, SimEngine, ThreadedServer
-from tests.proxy_support import RecordingTransport, Stack, delivered, sampled_chain
+from tests.proxy_support import RecordingUpstream, Stack, delivered, sampled_chain
 
 Rid = Callable[[str], str]
 HI = [{"role": "user", "content": "hi"}]
@@ -104,7 +104,10 @@ def test_output_that_reached_the_harness_without_a_record_still_masks(
 
 class RefuseFirstConnects(httpx.AsyncHTTPTransport):
     """A fault injector in front of the real upstream: the first ``n`` generating requests
-    find the port closed (``httpx.ConnectError``, what a refused connection raises)."""
+    find the port closed (``httpx.ConnectError``, what a refused connection raises).  A real
+    port cannot refuse some connections and accept others, so this runs the generating POST
+    over httpx (an injected transport selects it); ``tests/test_upstream.py`` refuses aiohttp's
+    connections with a real closed port."""
 
     def __init__(self, inner: httpx.AsyncBaseTransport, n: int) -> None:
         super().__init__()
@@ -121,10 +124,10 @@ class RefuseFirstConnects(httpx.AsyncHTTPTransport):
 @pytest.fixture
 def refusing(db_url: str) -> Iterator[tuple[Stack, RefuseFirstConnects]]:
     engine = SimEngine(ByteTokenizer(), max_model_len=16384, seed=3)
-    with ThreadedServer(engine.app) as upstream:
+    sampled: list[dict[str, Any]] = []
+    with ThreadedServer(RecordingUpstream(engine.app, sampled)) as upstream:
         settings = load_settings(db=db_url, upstream=upstream.url + "/v1")
-        sampled: list[dict[str, Any]] = []
-        transport = RefuseFirstConnects(RecordingTransport(sampled), 0)
+        transport = RefuseFirstConnects(httpx.AsyncHTTPTransport(), 0)
         app = create_app(settings, upstream_transport=transport)
         with ThreadedServer(app, lifespan="on", startup_timeout=60) as proxy:
             yield Stack(engine, upstream.url, proxy.url, db_url, settings, sampled), transport

@@ -52,6 +52,7 @@ from api.proxy.reply import (
     has_non_finite,
     unreadable_answer,
 )
+from api.upstream import UpstreamAnswer, UpstreamFailure, UpstreamPoster
 from ledger import jsonio
 from ledger.config import Settings
 from ledger.errors import LedgerError, RolloutFrozen
@@ -214,14 +215,14 @@ async def _call_upstream(
     metrics: Metrics,
 ) -> dict[str, Any] | Response:
     """POST upstream; on failure answer in the dialect and settle the intent."""
-    client: httpx.AsyncClient = request.app.state.upstream
+    poster: UpstreamPoster = request.app.state.upstream_post
     ledger: Ledger = request.app.state.ledger
     started = time.perf_counter()
     try:
-        resp = await _post_upstream(client, upstream.path, payload, json_headers(request), metrics)
-        raw = resp.content
-    except (httpx.HTTPError, ConnectionError) as exc:
-        timeout = isinstance(exc, httpx.TimeoutException)
+        resp = await _post_upstream(poster, upstream.path, payload, json_headers(request), metrics)
+        raw = resp.body
+    except UpstreamFailure as exc:
+        timeout = exc.kind == "timeout"
         kind = "timeout" if timeout else "transport"
         metrics.upstream_errors.labels(kind).inc()
         await _failed_attempt(ledger, ctx, f"{kind}: {exc}")
@@ -229,14 +230,14 @@ async def _call_upstream(
         return error_response(reply, stream=upstream.stream, handler=ctx.handler)
     finally:
         metrics.upstream_seconds.labels(upstream.path).observe(time.perf_counter() - started)
-    if resp.status_code >= 400:
-        error = d.parse_upstream_error(resp.status_code, raw)
-        metrics.upstream_errors.labels(str(resp.status_code)).inc()
-        if resp.status_code < 500:
+    if resp.status >= 400:
+        error = d.parse_upstream_error(resp.status, raw)
+        metrics.upstream_errors.labels(str(resp.status)).inc()
+        if resp.status < 500:
             # The engine refused the request: nothing was generated, so the intent is closed.
             await _cancel(ledger, ctx)
         else:
-            await _failed_attempt(ledger, ctx, f"HTTP {resp.status_code}: {error.message}")
+            await _failed_attempt(ledger, ctx, f"HTTP {resp.status}: {error.message}")
         reply = d.upstream_error_reply(ctx.dialect, error)
         return error_response(reply, stream=upstream.stream, handler=ctx.handler)
     try:
@@ -256,19 +257,21 @@ async def _call_upstream(
 
 
 async def _post_upstream(
-    client: httpx.AsyncClient,
+    poster: UpstreamPoster,
     path: str,
     payload: bytes,
     headers: dict[str, str],
     metrics: Metrics,
-) -> httpx.Response:
+) -> UpstreamAnswer:
     """POST a generating request; a refused connection (nothing was sent, so nothing can have
     been generated) is retried once, at once."""
     try:
-        return await client.post(path, content=payload, headers=headers)
-    except httpx.ConnectError:
+        return await poster.post(path, payload, headers)
+    except UpstreamFailure as exc:
+        if exc.kind != "connect":
+            raise
         metrics.upstream_retries.inc()
-        return await client.post(path, content=payload, headers=headers)
+        return await poster.post(path, payload, headers)
 
 
 async def _failed_attempt(ledger: Ledger, ctx: CallContext, detail: str) -> None:

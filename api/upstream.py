@@ -1,0 +1,165 @@
+"""The capture proxy's generating POST to the inference server: the one upstream request on every
+captured call's answer path.
+
+It goes over aiohttp (C HTTP parser, a connection pool in C-backed structures): on a 16k-token
+call the engine's answer is ~90 KB of JSON with every prompt id, and carrying it through httpx's
+pure-Python stack (h11, httpcore, anyio) cost about 3 ms of the proxy's CPU per call against
+about 1 ms through aiohttp (``docs/performance.md``).  Everything else the proxy sends upstream
+(pass-through routes, streaming, ``/tokenize``) stays on the app's httpx client, which is also
+what serves the generating POST when a test injects an httpx transport (its fault doubles).
+
+Either way the caller sees one shape: an :class:`UpstreamAnswer` (status and body bytes) or an
+:class:`UpstreamFailure` saying whether the connection was refused (nothing was sent, so a retry
+cannot duplicate a generation), the request timed out, or the transport broke.
+"""
+
+from __future__ import annotations
+
+import base64
+import urllib.parse
+import urllib.request
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import aiohttp
+import httpx
+
+__all__ = [
+    "AiohttpPoster",
+    "HttpxPoster",
+    "UpstreamAnswer",
+    "UpstreamFailure",
+    "UpstreamPoster",
+]
+
+FailureKind = Literal["connect", "timeout", "transport"]
+
+
+class UpstreamFailure(Exception):
+    """The upstream request failed before an answer came back.
+
+    ``connect``: the connection was refused or could not be made (nothing was sent);
+    ``timeout``: connecting or reading took longer than the configured limit;
+    ``transport``: the connection broke (closed mid-answer, a malformed response)."""
+
+    def __init__(self, kind: FailureKind, message: str) -> None:
+        super().__init__(message)
+        self.kind: FailureKind = kind
+
+
+@dataclass(frozen=True, slots=True)
+class UpstreamAnswer:
+    status: int
+    body: bytes
+
+
+class UpstreamPoster(Protocol):
+    async def post(
+        self, path: str, payload: bytes, headers: Mapping[str, str]
+    ) -> UpstreamAnswer: ...
+
+    async def aclose(self) -> None: ...
+
+
+class HttpxPoster:
+    """The generating POST over the app's httpx client (used when a transport is injected)."""
+
+    def __init__(self, client: httpx.AsyncClient) -> None:
+        self._client = client
+
+    async def post(self, path: str, payload: bytes, headers: Mapping[str, str]) -> UpstreamAnswer:
+        try:
+            resp = await self._client.post(path, content=payload, headers=dict(headers))
+            return UpstreamAnswer(resp.status_code, resp.content)
+        except httpx.ConnectError as exc:
+            raise UpstreamFailure("connect", _message(exc, "connection refused")) from exc
+        except httpx.TimeoutException as exc:
+            raise UpstreamFailure("timeout", _message(exc, "timed out")) from exc
+        except (httpx.HTTPError, ConnectionError) as exc:
+            raise UpstreamFailure("transport", _message(exc, "transport error")) from exc
+
+    async def aclose(self) -> None:
+        """The client is the app's; it closes it."""
+
+
+class AiohttpPoster:
+    """The generating POST over aiohttp, with the httpx client's settings: the same base URL
+    (its path kept), credentials from the URL's userinfo as HTTP basic auth (they replace a
+    harness's ``authorization``, as httpx's auth does), the connect and read timeouts, a
+    512-connection pool, and the proxy the environment names for the upstream's URL
+    (``HTTP_PROXY``/``HTTPS_PROXY``/``ALL_PROXY`` unless ``NO_PROXY`` covers its host)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        timeout_s: float,
+        connect_timeout_s: float,
+        basic_auth: tuple[str, str] | None = None,
+        max_connections: int = 512,
+    ) -> None:
+        self._base = base_url.rstrip("/")
+        self._authorization = (
+            "Basic " + base64.b64encode(f"{basic_auth[0]}:{basic_auth[1]}".encode()).decode()
+            if basic_auth
+            else None
+        )
+        self._timeout = aiohttp.ClientTimeout(
+            total=None,
+            connect=timeout_s,  # a free pooled connection, and connecting
+            sock_connect=connect_timeout_s,
+            sock_read=timeout_s,
+        )
+        self._max_connections = max_connections
+        self._proxy = _env_proxy(self._base)
+        self._session: aiohttp.ClientSession | None = None
+
+    def _open(self) -> aiohttp.ClientSession:
+        if self._session is None or self._session.closed:
+            self._session = aiohttp.ClientSession(
+                connector=aiohttp.TCPConnector(limit=self._max_connections),
+                timeout=self._timeout,
+                # The environment's proxy is resolved once (_env_proxy); trusting the
+                # environment would read it again, in a worker thread, on every request.
+                trust_env=False,
+                # No cookie jar: an upstream's cookies must not leak from one harness to another.
+                cookie_jar=aiohttp.DummyCookieJar(),
+            )
+        return self._session
+
+    async def post(self, path: str, payload: bytes, headers: Mapping[str, str]) -> UpstreamAnswer:
+        sent = dict(headers)
+        if self._authorization is not None:
+            for key in [k for k in sent if k.lower() == "authorization"]:
+                del sent[key]
+            sent["authorization"] = self._authorization
+        try:
+            async with self._open().post(
+                self._base + path, data=payload, headers=sent, proxy=self._proxy
+            ) as resp:
+                return UpstreamAnswer(resp.status, await resp.read())
+        except TimeoutError as exc:  # aiohttp's timeouts (asyncio.TimeoutError is TimeoutError)
+            raise UpstreamFailure("timeout", _message(exc, "timed out")) from exc
+        except aiohttp.ClientConnectorError as exc:
+            raise UpstreamFailure("connect", _message(exc, "connection refused")) from exc
+        except (aiohttp.ClientError, ConnectionError) as exc:
+            raise UpstreamFailure("transport", _message(exc, "transport error")) from exc
+
+    async def aclose(self) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
+
+
+def _env_proxy(url: str) -> str | None:
+    """The proxy the environment names for ``url``, as httpx reads it, or None."""
+    parts = urllib.parse.urlsplit(url)
+    if parts.hostname and urllib.request.proxy_bypass(parts.hostname):
+        return None
+    proxies = urllib.request.getproxies_environment()
+    return proxies.get(parts.scheme) or proxies.get("all")
+
+
+def _message(exc: BaseException, fallback: str) -> str:
+    return str(exc) or f"{type(exc).__name__}: {fallback}"
