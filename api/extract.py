@@ -29,6 +29,7 @@ model call is answered even when capture fails) and the ``output_items`` to reco
 from __future__ import annotations
 
 import copy
+import operator
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -36,7 +37,7 @@ from typing import Any, ClassVar, Literal
 
 from api.dialects.common import JSONDict, mapping_or_empty
 from ledger.errors import CaptureFailed
-from ledger.token_rules import check_log_probs, check_token_ids
+from ledger.token_rules import MAX_TOKEN_ID, check_log_probs, check_token_ids
 
 __all__ = [
     "GenerationSource",
@@ -56,6 +57,8 @@ __all__ = [
 
 _BUNDLE_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
 _TOKEN_ID = re.compile(r"token_id:(\d+)")
+_TOKEN_OF = operator.itemgetter("token")
+_LOGPROB_OF = operator.itemgetter("logprob")
 _CHAT_TOKENIZE_FIELDS = (
     "model",
     "messages",
@@ -369,9 +372,13 @@ def _chat_logprobs(value: Any) -> _LogProbs | None:
         return None
     if not isinstance(content, list):
         raise MalformedTokenPayload("choices[0].logprobs.content is not a list")
-    entries = [mapping_or_empty(entry) for entry in content]
-    tokens = [entry.get("token") for entry in entries]
-    values = [entry.get("logprob") for entry in entries]
+    try:  # every entry an object with both keys (what vLLM sends): two passes in C
+        tokens = list(map(_TOKEN_OF, content))
+        values = list(map(_LOGPROB_OF, content))
+    except (KeyError, TypeError):
+        entries = [mapping_or_empty(entry) for entry in content]
+        tokens = [entry.get("token") for entry in entries]
+        values = [entry.get("logprob") for entry in entries]
     return _LogProbs(_token_ids(tokens), _logprob_list(values, "logprobs.content[].logprob"))
 
 
@@ -392,6 +399,9 @@ def _token_ids(tokens: Sequence[Any]) -> list[int] | None:
     """Ids from ``token_id:N`` tokens; ``None`` when all are text; mixed is malformed."""
     parsed = _plain_token_ids(tokens)
     if parsed is not None:
+        # Parsed from ASCII digits: non-negative ints by construction; only the range is left.
+        if max(parsed) <= MAX_TOKEN_ID:
+            return parsed
         try:
             return check_token_ids(parsed, "logprobs token_id:N")
         except ValueError as exc:
@@ -447,7 +457,10 @@ def _logprob_list(value: Any, where: str) -> list[float]:
     if not isinstance(value, list):
         raise MalformedTokenPayload(f"{where} is not a list")
     try:  # shared with ingest (ledger.token_rules)
-        return [float(x) for x in check_log_probs(value, where)]
+        checked = check_log_probs(value, where)
+        if set(map(type, checked)) == {float}:
+            return list(checked)
+        return [float(x) for x in checked]
     except ValueError as exc:
         raise MalformedTokenPayload(str(exc)) from None
 
