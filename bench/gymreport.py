@@ -229,24 +229,44 @@ def render(g: dict[str, Any], pngs: list[str]) -> str:
             led, bare = px["ledger"][step], px["bare"][step]
             over = led["overhead_p50_ms"]
             above = px[f"above_bare_{step}_ms"]
+            capture = px.get("bare_capture", {}).get(step)
+            own = px.get(f"above_bare_capture_{step}_ms")
+            tail = (
+                f"; {_f(own, 1)} ms above the pass-through that also asks for tokens "
+                f"({_f(capture['proxy_ms']['p50'], 1)} ms)"
+                if capture is not None and own is not None
+                else ""
+            )
             prow.append(
                 [
                     f"proxy at 16k-token prompts, {step} call (n={led['samples']})",
                     "<= 5 ms p50; <= 2 ms above bare",
                     f"{_f(over, 1)} ms; {_f(above, 1)} ms above the bare proxy "
                     f"(p50 direct {_f(led['direct_ms']['p50'], 1)}, bare "
-                    f"{_f(bare['proxy_ms']['p50'], 1)}, ledger {_f(led['proxy_ms']['p50'], 1)} ms)",
+                    f"{_f(bare['proxy_ms']['p50'], 1)}, ledger {_f(led['proxy_ms']['p50'], 1)} ms)"
+                    + tail,
                     _verdict(over <= 5 and above <= 2),
                 ]
             )
         add("\n" + _table(["target", "goal", "measured", ""], prow))
+        cpu = {
+            k: px[k].get("server_cpu_ms_per_call")
+            for k in ("bare", "bare_capture", "ledger")
+            if k in px
+        }
         add(
             "Overhead = p50 through the proxy - p50 of the same request sent directly (with the "
             "capture fields the proxy adds). The bare proxy (`bench/bareproxy.py`: FastAPI, "
-            "uvicorn with httptools, httpx) forwards the harness's request unchanged and records "
-            "nothing. `rollout-ledger serve` on SQLite answers only after the record's flush, so "
-            "one fdatasync of this disk (p50 at the start of the run above) is part of its "
-            "overhead by design.\n"
+            "uvicorn with httptools, the proxy's aiohttp poster) forwards the harness's request "
+            "unchanged and records nothing, so the engine's answer it carries has no token ids "
+            "(about a fifth of the capture answer's bytes). The second anchor "
+            "(`bareproxy --capture-body`) sends the request as the ledger does and passes the "
+            "whole answer back: the distance to it is the ledger's own work (extraction, the "
+            "record, its commit). `rollout-ledger serve` on SQLite answers only after the "
+            "record's flush, so one fdatasync of this disk (p50 at the start of the run above) "
+            "is part of its overhead by design. Server CPU per proxied call: "
+            + ", ".join(f"{k} {_f(v, 1)} ms" for k, v in cpu.items() if v is not None)
+            + ".\n"
         )
     add("## Per repetition\n")
     sides = [s for s in SIDES if s in reps[0]]
