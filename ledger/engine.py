@@ -17,6 +17,7 @@ ROLLBACK), nine per build of a rollout, for connections that were in use a momen
 from __future__ import annotations
 
 import os
+import sqlite3
 import time
 from typing import Any
 
@@ -97,6 +98,17 @@ def _sqlite_setup(engine: Engine) -> None:
             conn.exec_driver_sql("BEGIN IMMEDIATE")
 
 
+def is_lock_error(exc: BaseException) -> bool:
+    """SQLite answered busy or locked (another connection holds the lock), by its result code
+    (``sqlite_errorcode``, extended codes included); the message text only for an error that
+    carries no code."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    if isinstance(code, int):
+        return code & 0xFF in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED)
+    text = str(exc).lower()
+    return "locked" in text or "busy" in text
+
+
 def _ensure_wal(cur: Any) -> None:
     """Switch a database file to WAL once (the mode persists in the file).
 
@@ -116,7 +128,7 @@ def _ensure_wal(cur: Any) -> None:
             cur.fetchone()
             return
         except Exception as exc:  # sqlite3.OperationalError through either driver
-            if "locked" not in str(exc).lower() or time.monotonic() > deadline:
+            if not is_lock_error(exc) or time.monotonic() > deadline:
                 raise
             time.sleep(delay)  # only at first connection to a brand-new file
             delay = min(delay * 2, 0.2)

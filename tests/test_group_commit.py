@@ -222,3 +222,32 @@ async def test_a_write_tried_without_waiting_leaves_the_connections_lock_wait_as
         assert dbapi.execute("PRAGMA busy_timeout").fetchone()[0] == 1234
     finally:
         await led.close()
+
+
+def test_lock_errors_are_told_by_sqlites_result_code(tmp_path: Path) -> None:
+    """The writer hands a batch over (and the WAL switch retries) only when SQLite says the
+    database is busy or locked: told by the result code a real lock produces, not its text."""
+    from ledger.engine import is_lock_error
+
+    path = tmp_path / "lock.db"
+    holder = sqlite3.connect(path, isolation_level=None)
+    holder.execute("PRAGMA journal_mode=WAL")
+    holder.execute("CREATE TABLE t (x)")
+    holder.execute("BEGIN IMMEDIATE")
+    other = sqlite3.connect(path, isolation_level=None, timeout=0)
+    try:
+        with pytest.raises(sqlite3.OperationalError) as busy:
+            other.execute("BEGIN IMMEDIATE")
+        assert busy.value.sqlite_errorcode & 0xFF == sqlite3.SQLITE_BUSY
+        assert is_lock_error(busy.value)
+        with pytest.raises(sqlite3.OperationalError) as syntax:
+            other.execute("SELEC 1")
+        assert not is_lock_error(syntax.value)
+        # A message that merely mentions a lock is not one, when the code says otherwise.
+        with pytest.raises(sqlite3.OperationalError) as missing:
+            other.execute("SELECT * FROM locked_busy_table")
+        assert "locked" in str(missing.value) and not is_lock_error(missing.value)
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+        other.close()

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 from sqlalchemy.engine import Connection, Engine
 from sqlalchemy.ext.asyncio import AsyncEngine
 
-from ledger.engine import make_sync_engine
+from ledger.engine import is_lock_error, make_sync_engine
 from ledger.errors import (
     Unavailable,
 )
@@ -349,7 +349,7 @@ def _begin_now(dbapi: Any, busy_ms: int) -> bool:
     try:
         dbapi.execute("BEGIN IMMEDIATE")
     except sqlite3.OperationalError as exc:
-        if dbapi.in_transaction or ("locked" not in str(exc) and "busy" not in str(exc)):
+        if dbapi.in_transaction or not is_lock_error(exc):
             raise
         return False
     finally:
