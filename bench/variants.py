@@ -91,9 +91,11 @@ def count_batches(ledger: Ledger) -> list[int]:
     if group is None or commit is None:
         return sizes
 
-    def counted(batch: list[Any]) -> None:  # runs in the ledger's writer thread
-        sizes.append(len(batch))
-        commit(batch)
+    def counted(batch: list[Any], **kw: Any) -> Any:  # the writer thread or a caller's loop
+        committed = commit(batch, **kw)
+        if committed is not False:  # False: not run here (handed to the writer thread)
+            sizes.append(len(batch))
+        return committed
 
     group._commit = counted
     return sizes
