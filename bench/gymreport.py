@@ -423,45 +423,57 @@ NOTES = """## How the ingest path works now (issue 12)
   call: a compressor and a code table per plane cost ~40 us per array, about a fifth of a
   short record's CPU. The stream format is unchanged, so rows written before read as they did.
 - **Proxy:** orjson for the request, the upstream answer and the harness's answer; uvicorn with
-  httptools; vLLM's `token_id:N` log-prob tokens are parsed with string operations over all of
-  them at once (no regex match per token).
+  httptools; the generating POST over aiohttp (`api/upstream.py`: its C parser carries the
+  engine's ~90 KB answer for ~1 ms of CPU where httpx's pure-Python stack took ~3 ms; side by
+  side in one run the overhead went 11.8/11.3 -> 9.8/9.4 ms); vLLM's `token_id:N` log-prob
+  tokens are parsed with string operations over all of them at once (no regex match per
+  token) and taken from the entries with `itemgetter` passes; ids are packed with `struct`
+  (twice as fast as `array("i")` on a long prompt); the per-call "captured" line is logged at
+  debug level (~0.3 ms at INFO).
 
 ## What is not met, and why
 
 Figures in this section are from the run above on this machine (an AMD EPYC that ran Gym's
-store at 255-302 calls/s, against 650-700 on the Intel Xeon the previous report came from;
-the ledger's figures are ratios against it, but its absolute targets, ms and calls/s, are not).
+store (delta records) at 403-439 calls/s in this run, 255-302 in the previous report's run on this kind of
+machine, and 650-700 on the Intel Xeon of the report before; the ledger's figures are ratios
+against it, but its absolute targets, ms and calls/s, are not). Repetitions move a lot here:
+a second full run the same day, before the last two small changes, gave SQLite 1.56x
+(1.52-1.79), Postgres 1.30x (1.24-1.47), Postgres freeze + build 0.25x, Postgres per-call
+growth 1.89x and 200-turn builds of 155 and 181 ms.
 
-- **SQLite throughput (about 1.7x here, 2.0x on the faster machine, of 2.5x).** CPU-bound on
-  one core: the process's CPU per call is ~1.9 ms here (0.74 ms there), almost all of it on
-  the event-loop thread: the batch's statements and commit about a quarter, packing and
-  hashing (Gym's digest check included) a quarter, validating the record a sixth, the rest the
-  capture API and asyncio's own bookkeeping; the flushers' `fdatasync` runs beside it.
-  Closing the rest takes the per-call Python work down by another third (native packing and
-  validation), not a new structure.
-- **Postgres throughput (about 1.3x, range 1.1-1.6 over this session's runs, of 1.5x).** A
-  Gym-stamped call is now two round trips (the intent; the record's one guarded statement),
-  and the ledger process's event loop is the bottleneck: during the run one core is ~90% busy
-  with it while Postgres uses about a third of the other (system-wide profile), so what is
-  left is the client's Python per call (~1.7-2.0 ms here: validation, packing and hashing as
-  on SQLite, plus asyncpg's encoding of the record's ~45 parameters), the same work as above.
-- **Postgres freeze + build (0.33x here, 0.20x on the faster machine, of 0.25x).** The build
-  is the same Python as SQLite's (replaying and checking the chain, projecting) plus about a
-  dozen round trips (8 statements and two write transactions), each slower on this machine.
-- **The 200-turn build (168 ms SQLite, 217 ms Postgres here; 74 and 78 ms on the faster
-  machine).** The projection writes each call's full prompt into its output item (the output
-  format), so freeze + build grows with turns x context (about 45 ms of it at 200 turns on the
-  faster machine is copying those prefixes); that is the builder's side, not ingest.
-- **Proxy overhead at 16k tokens (about 14 ms here, 6 ms on the faster machine, of 5).** The
-  server's CPU per proxied call is 14.6 ms against the bare proxy's 6.5 ms. Measured on the
-  answer path of a root call on the faster machine: the intent 0.3 ms; the upstream hop about
-  1 ms above a direct request (httpx, pure Python over h11 and anyio, on a 90 KB answer with
-  ids and log-probs, which the bare proxy does not ask for); parsing the answer 0.26 ms and
-  extracting the tokens 0.3 ms; the record 2 ms (packing 16k ids 0.25 ms, deflating the
-  byte-tokenizer's skewed planes about 0.4 ms, the statements and commit, and the WAL flush,
-  about 0.45 ms of it, before the answer by design); the log line 0.1 ms. An upstream client
-  with a C parser (aiohttp) is the next step; the proxy's tests inject httpx transports, so it
-  is a change of its own.
+- **SQLite throughput (1.5-1.6x here, 2.0x on the faster machine, of 2.5x).** CPU-bound on
+  one core: the process's CPU per call is ~1.5 ms here, almost all of it on the event-loop
+  thread: the batch's statements and commit about a quarter, packing and hashing (Gym's
+  digest check included) a quarter, validating the record a sixth, the rest the capture API
+  and asyncio's own bookkeeping; the flushers' `fdatasync` runs beside it. Closing the rest
+  takes the per-call Python work down by another third (native packing and validation), not a
+  new structure.
+- **Postgres throughput (1.15-1.3x here, of 1.5x).** A Gym-stamped call is two round trips
+  (the intent, committed without waiting for its own WAL flush; the record's one guarded
+  statement), and the ledger process's event loop is the bottleneck: one core ~90% busy with
+  it while Postgres uses about a third of the other, so what is left is the client's Python
+  per call (~1.5 ms: validation, packing and hashing as on SQLite, plus asyncpg's encoding of
+  the record's ~45 parameters).
+- **Postgres freeze + build (0.25-0.31x here, 0.20x on the faster machine, of 0.25x).** The
+  build is the same Python as SQLite's (replaying and checking the chain, projecting) plus
+  about a dozen round trips (8 statements and two write transactions).
+- **Postgres per-call growth at 200 turns (2.57x in this run, 1.89x in the other).** One
+  rollout, ten calls per window: the first window's cost moved from 1.68 to 1.03 ms between
+  the two runs while the last window's stayed at 2.6-3.2 ms; the late calls pay the
+  O(context) SHA-256 of Gym's widened digest check (about 5 ns per token) on ~100k tokens.
+- **The 200-turn build (133-155 ms SQLite, 145-181 ms Postgres here; 74 and 78 ms on the
+  faster machine).** Profiled here: the projection is ~75 ms of it, the chain replay ~30 ms and
+  waiting on the database the rest. The projection writes each call's full prompt into its
+  output item (the output format), so it grows with turns x context: 200 prompts averaging 52k
+  tokens are ~10M list slots to fill, each a reference to an id object.
+- **Proxy overhead at 16k tokens (about 10 ms here, of 5; 12-13 ms above the bare proxy, of
+  2).** The server's CPU per proxied call is ~9 ms against 2.3-2.8 ms for the bare proxies.
+  Of the gap, the engine's longer answer (every prompt id and log-prob, which the bare proxy
+  does not ask for) is what the second anchor pays: the ledger is 6.5-7.3 ms above it. Measured
+  in process on a root call here: parsing the answer 0.5 ms, extracting the tokens 0.45-0.65 ms,
+  the intent and the record (packing and hashing 16k ids, deflating the stored planes, the
+  statements, two commits) ~2.5 ms, the WAL flush before the answer by design; the rest is
+  the event loop's own work for the extra awaits and thread hand-offs.
 - Full-prompt records (the proxy's, and Gym's with delta records off) still cost O(context)
   per call: the record arrives as a Python list of every prompt id, and checking it and
   packing it are C-speed passes over the whole prompt.
