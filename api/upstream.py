@@ -72,12 +72,8 @@ class HttpxPoster:
         try:
             resp = await self._client.post(path, content=payload, headers=dict(headers))
             return UpstreamAnswer(resp.status_code, resp.content)
-        except httpx.ConnectError as exc:
-            raise UpstreamFailure("connect", _message(exc, "connection refused")) from exc
-        except httpx.TimeoutException as exc:
-            raise UpstreamFailure("timeout", _message(exc, "timed out")) from exc
         except (httpx.HTTPError, ConnectionError) as exc:
-            raise UpstreamFailure("transport", _message(exc, "transport error")) from exc
+            raise _failure(exc, timeout=httpx.TimeoutException, connect=httpx.ConnectError) from exc
 
     async def aclose(self) -> None:
         """The client is the app's; it closes it."""
@@ -139,12 +135,9 @@ class AiohttpPoster:
                 self._base + path, data=payload, headers=sent, proxy=self._proxy
             ) as resp:
                 return UpstreamAnswer(resp.status, await resp.read())
-        except TimeoutError as exc:  # aiohttp's timeouts (asyncio.TimeoutError is TimeoutError)
-            raise UpstreamFailure("timeout", _message(exc, "timed out")) from exc
-        except aiohttp.ClientConnectorError as exc:
-            raise UpstreamFailure("connect", _message(exc, "connection refused")) from exc
-        except (aiohttp.ClientError, ConnectionError) as exc:
-            raise UpstreamFailure("transport", _message(exc, "transport error")) from exc
+        except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
+            # aiohttp's timeouts are asyncio.TimeoutError, which is TimeoutError.
+            raise _failure(exc, timeout=TimeoutError, connect=aiohttp.ClientConnectorError) from exc
 
     async def aclose(self) -> None:
         session, self._session = self._session, None
@@ -161,5 +154,15 @@ def _env_proxy(url: str) -> str | None:
     return proxies.get(parts.scheme) or proxies.get("all")
 
 
-def _message(exc: BaseException, fallback: str) -> str:
-    return str(exc) or f"{type(exc).__name__}: {fallback}"
+def _failure(
+    exc: BaseException, *, timeout: type[BaseException], connect: type[BaseException]
+) -> UpstreamFailure:
+    """``exc`` (a client's own error) as the failure kind the proxy acts on."""
+    kind: FailureKind = (
+        "timeout"
+        if isinstance(exc, timeout)
+        else "connect"
+        if isinstance(exc, connect)
+        else "transport"
+    )
+    return UpstreamFailure(kind, str(exc) or f"{type(exc).__name__}: {kind} failure")
