@@ -434,10 +434,10 @@ NOTES = """## How the ingest path works now (issue 12)
 ## What is not met, and why
 
 Figures in this section are from the run above on this machine (an AMD EPYC that ran Gym's
-store (delta records) at 403-439 calls/s in this run, 255-302 in the previous report's run on this kind of
-machine, and 650-700 on the Intel Xeon of the report before; the ledger's figures are ratios
-against it, but its absolute targets, ms and calls/s, are not). Repetitions move a lot here:
-a second full run the same day, before the last two small changes, gave SQLite 1.56x
+store, delta records, at 403-439 calls/s in this run, 255-302 in the previous report's run on
+this kind of machine, and 650-700 on the Intel Xeon of the report before; the ledger's figures
+are ratios against it, but its absolute targets, ms and calls/s, are not). Repetitions move
+a lot here: a second full run the same day, before the last two small changes, gave SQLite 1.56x
 (1.52-1.79), Postgres 1.30x (1.24-1.47), Postgres freeze + build 0.25x, Postgres per-call
 growth 1.89x and 200-turn builds of 155 and 181 ms.
 
