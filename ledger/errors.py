@@ -33,7 +33,9 @@ Classes defined elsewhere keep their home module's name as an alias (``ledger.bu
 ``ledger.projection``, ``ledger.conformance`` re-export theirs from here).  Errors that are not
 refusals of the ledger stay outside the tree on purpose: configuration and command-line errors
 (``ConfigError``, ``CliError``, ``CollectAborted``/``CollectRefused``), body-size and JSON
-parsing limits of the web layer, and private control-flow exceptions.
+parsing limits of the web layer, the proxy's upstream failures (``api.upstream.UpstreamFailure``,
+answered in the harness's dialect, never raised past the proxy), and private control-flow
+exceptions.
 
 Driver errors are translated into this tree once, in ``ledger.storage.translate``; routes map
 the tree to HTTP status codes once, in ``api.errors`` (a branch without a status there, such as

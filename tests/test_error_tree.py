@@ -24,6 +24,7 @@ OUTSIDE = {
     "api.prefix._Unrenderable",
     "api.ui.tokens.TokenizerError",
     "api.ui_cli.UiError",
+    "api.upstream.UpstreamFailure",
     "ledger.cli_errors.CliError",
     "ledger.collect.CollectAborted",
     "ledger.collect.CollectFailed",
