@@ -101,8 +101,8 @@ def _register(app: typer.Typer) -> None:
             format="%(asctime)s %(levelname)s %(name)s %(message)s",
         )
         if logging.getLogger().getEffectiveLevel() > logging.DEBUG:
-            # httpx logs every upstream request at INFO: a second line per call beside the
-            # proxy's own "captured" line, and a tenth of a millisecond of the answer path.
+            # httpx logs every upstream request at INFO: a line per pass-through or /tokenize
+            # call (the proxy's own per-call line is at debug level too).
             logging.getLogger("httpx").setLevel(logging.WARNING)
         import asyncio
 

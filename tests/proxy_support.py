@@ -8,11 +8,11 @@ reaches the engine over its own upstream clients (aiohttp for generating calls),
 from __future__ import annotations
 
 import asyncio
-import json
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+import httpx
 import pytest
 
 from api.app import create_app
@@ -23,59 +23,7 @@ from ledger.errors import NotFound
 from ledger.store import Audit, Ledger
 from rollout_sim import ByteTokenizer, SimEngine, ThreadedServer
 from tests.conftest import BACKENDS, require_postgres
-
-
-class RecordingUpstream:
-    """The simulated engine's ASGI app, keeping the JSON of each capture answer (a generating
-    request that asked for token ids) as it leaves the engine, before the proxy reads it.
-    Pass-through requests (the harness's own bodies) are not kept."""
-
-    PATHS = ("/v1/chat/completions", "/v1/completions")
-
-    def __init__(self, app: Any, sink: list[dict[str, Any]]) -> None:
-        self.app = app
-        self.sink = sink
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] not in self.PATHS:
-            await self.app(scope, receive, send)
-            return
-        messages: list[dict[str, Any]] = []
-        while not messages or messages[-1].get("more_body", False):
-            messages.append(await receive())
-            if messages[-1]["type"] != "http.request":
-                break
-        pending = iter(messages)
-
-        async def replay() -> Any:
-            return next(pending, None) or await receive()
-
-        if not _asked_for_ids(b"".join(m.get("body", b"") for m in messages)):
-            await self.app(scope, replay, send)
-            return
-        status = 0
-        chunks: list[bytes] = []
-
-        async def keep(message: dict[str, Any]) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            elif message["type"] == "http.response.body":
-                chunks.append(message.get("body", b""))
-                if not message.get("more_body", False) and status == 200:
-                    self.sink.append(json.loads(b"".join(chunks)))
-            await send(message)
-
-        await self.app(scope, replay, keep)
-
-
-def _asked_for_ids(body: bytes) -> bool:
-    """A capture request (the proxy asked for token ids); pass-through bodies are not kept."""
-    try:
-        sent = json.loads(body)
-    except ValueError:
-        return False
-    return isinstance(sent, dict) and sent.get("return_token_ids") is True
+from tests.helpers.fault_support import UpstreamTap
 
 
 @dataclass
@@ -85,7 +33,12 @@ class Stack:
     url: str
     db_url: str
     settings: Settings
-    sampled: list[dict[str, Any]] = field(default_factory=list)
+    tap: UpstreamTap | None = None
+
+    @property
+    def sampled(self) -> list[dict[str, Any]]:
+        """The engine's answers to the proxy's capture requests, in order."""
+        return [] if self.tap is None else self.tap.capture_answers()
 
     def base(self, rollout_id: str, training: bool = True) -> str:
         seg = "/training-token-capture" if training else ""
@@ -139,15 +92,21 @@ class Stack:
 
 
 def start_stack(
-    db_url: str, engine: SimEngine | None = None, **settings_kw: Any
+    db_url: str,
+    engine: SimEngine | None = None,
+    upstream_transport: httpx.AsyncBaseTransport | None = None,
+    **settings_kw: Any,
 ) -> Iterator[Stack]:
+    """The engine behind an :class:`UpstreamTap` and the proxy in front of it, each on its own
+    loopback port.  ``upstream_transport``: an httpx transport for the proxy's upstream calls
+    (a fault double; the generating POST then goes over httpx instead of aiohttp)."""
     engine = engine or SimEngine(ByteTokenizer(), model_name="smol", max_model_len=16384, seed=7)
-    sampled: list[dict[str, Any]] = []
-    with ThreadedServer(RecordingUpstream(engine.app, sampled)) as upstream:
+    tap = UpstreamTap(engine.app)
+    with ThreadedServer(tap) as upstream:
         settings = load_settings(db=db_url, upstream=upstream.url + "/v1", **settings_kw)
-        app = create_app(settings)
+        app = create_app(settings, upstream_transport=upstream_transport)
         with ThreadedServer(app, lifespan="on", startup_timeout=60) as proxy:
-            yield Stack(engine, upstream.url, proxy.url, db_url, settings, sampled)
+            yield Stack(engine, upstream.url, proxy.url, db_url, settings, tap)
 
 
 @pytest.fixture
@@ -178,7 +137,8 @@ def reset(stack: Stack) -> Stack:
     engine.faults.clear()
     engine._scripts.clear()
     engine.responder = None
-    stack.sampled.clear()
+    if stack.tap is not None:
+        stack.tap.forget()
     return stack
 
 

@@ -19,10 +19,8 @@ import httpx
 import openai
 import pytest
 
-from api.app import create_app
-from ledger.config import load_settings
-from rollout_sim import ByteTokenizer, SimEngine, ThreadedServer
-from tests.proxy_support import RecordingUpstream, Stack, delivered, sampled_chain
+from rollout_sim import ByteTokenizer, SimEngine
+from tests.proxy_support import Stack, delivered, sampled_chain, start_stack
 
 Rid = Callable[[str], str]
 HI = [{"role": "user", "content": "hi"}]
@@ -123,14 +121,10 @@ class RefuseFirstConnects(httpx.AsyncHTTPTransport):
 
 @pytest.fixture
 def refusing(db_url: str) -> Iterator[tuple[Stack, RefuseFirstConnects]]:
+    transport = RefuseFirstConnects(httpx.AsyncHTTPTransport(), 0)
     engine = SimEngine(ByteTokenizer(), max_model_len=16384, seed=3)
-    sampled: list[dict[str, Any]] = []
-    with ThreadedServer(RecordingUpstream(engine.app, sampled)) as upstream:
-        settings = load_settings(db=db_url, upstream=upstream.url + "/v1")
-        transport = RefuseFirstConnects(httpx.AsyncHTTPTransport(), 0)
-        app = create_app(settings, upstream_transport=transport)
-        with ThreadedServer(app, lifespan="on", startup_timeout=60) as proxy:
-            yield Stack(engine, upstream.url, proxy.url, db_url, settings, sampled), transport
+    for stack in start_stack(db_url, engine, upstream_transport=transport):
+        yield stack, transport
 
 
 def test_a_refused_connection_is_retried_once_by_the_proxy(

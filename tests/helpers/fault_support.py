@@ -1,7 +1,8 @@
 """Shared machinery of the fault, fuzz and soak tests (issue #5 points 4 to 6).
 
 - :class:`UpstreamTap`: an ASGI wrapper around the simulated vLLM that keeps every generating
-  answer as it crossed the wire (``answers``, by response id), can hold a request at a gate
+  answer as it crossed the wire (``answers``, by response id; ``capture_answers``, the proxy's
+  capture requests in order), can hold a request at a gate
   until the test opens it, and can cut an answer's body half-way and drop the connection.
 - :class:`ServeProcess`: ``rollout-ledger serve`` as a real OS process on a loopback port, with
   readiness polled against a deadline, SIGKILL, and its RSS.
@@ -70,12 +71,23 @@ class _Cut(Exception):
 # --------------------------------------------------------------------------- upstream tap
 
 
+def _asks_for_ids(body: bytes) -> bool:
+    """A capture request (the proxy asked for token ids), not a harness's own body."""
+    try:
+        sent = json.loads(body)
+    except ValueError:
+        return False
+    return isinstance(sent, dict) and sent.get("return_token_ids") is True
+
+
 @dataclass
 class TapRecord:
     path: str
     marker: str | None
     status: int
     body: bytes
+    # The request asked for token ids (the proxy's capture request, not a pass-through body).
+    capture: bool = False
 
     def json(self) -> Any:
         return json.loads(self.body)
@@ -118,6 +130,17 @@ class UpstreamTap:
                 out[str(body["id"])] = body
         return out
 
+    def capture_answers(self) -> list[dict[str, Any]]:
+        """Every 200 answer to a capture request (token ids asked for), in the order sent."""
+        with self._lock:
+            recs = list(self.records)
+        return [rec.json() for rec in recs if rec.status == 200 and rec.capture]
+
+    def forget(self) -> None:
+        """Drop what was recorded so far (a shared stack between tests)."""
+        with self._lock:
+            self.records.clear()
+
     def statuses(self, marker: str) -> list[int]:
         with self._lock:
             return [r.status for r in self.records if r.marker == marker]
@@ -138,6 +161,7 @@ class UpstreamTap:
                 break
         body = b"".join(chunks)
         marker = self._marker(body)
+        capture = _asks_for_ids(body)
         replayed = False
 
         async def replay() -> Message:
@@ -173,7 +197,7 @@ class UpstreamTap:
                 if not message.get("more_body", False):
                     with self._lock:
                         self.records.append(
-                            TapRecord(scope["path"], marker, status, b"".join(parts))
+                            TapRecord(scope["path"], marker, status, b"".join(parts), capture)
                         )
                     if cut is not None and start is not None:
                         whole = b"".join(parts)
