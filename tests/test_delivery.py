@@ -169,6 +169,47 @@ async def test_delivery_row_and_its_handed_off_mark_are_one_write(ledger: Ledger
     ]
 
 
+async def test_delivery_row_is_the_same_whichever_form_writes_it(ledger: Ledger, rid: Rid) -> None:
+    """Postgres writes a usual build's delivery row in one statement (no idempotency key, no
+    quarantines, the rollout's row already there); the general form writes every other row,
+    and every row on SQLite.  The stored row is the same either way: JSON columns as objects
+    (a JSON null terminal included), the handed-off mark, the rollout created when missing."""
+    r = rid("forms")
+    args: dict[str, Any] = {
+        "snapshot_id": "snap-1",
+        "version": 3,
+        "outcome": "masked",
+        "mask_reasons": ["capture_incomplete", "upstream_error"],
+        "metrics": {"calls": 2, "nested": {"ids": [1, 2], "ok": True, "none": None}},
+        "terminal": {"call": "c-1", "method": "token_prefix"},
+        "consumer": "trainer-7",
+        "handed_off": True,
+    }
+    created = await ledger.record_delivery(r, **args)  # no rollout row yet: the general form
+    assert (await ledger.get_state(r)).state == "open"
+    usual = await ledger.record_delivery(r, **args)
+    keyed = await ledger.record_delivery(r, idempotency_key=f"{r}-key", **args)
+    bare = await ledger.record_delivery(r, **{**args, "terminal": None, "handed_off": False})
+    rows = {d["id"]: d for d in (await Audit(ledger).rollout_detail(r))["deliveries"]}
+    assert list(rows) == [created, usual, keyed, bare]
+
+    def content(row: dict[str, Any]) -> dict[str, Any]:
+        stamps = ("id", "built_at", "handed_off_at", "idempotency_key")
+        return {k: v for k, v in row.items() if k not in stamps}
+
+    assert content(rows[usual]) == content(rows[created]) == content(rows[keyed])
+    assert rows[usual]["metrics"] == args["metrics"]
+    assert rows[usual]["mask_reasons"] == args["mask_reasons"]
+    assert rows[usual]["terminal"] == args["terminal"]
+    assert rows[usual]["rollout_id"] == r and rows[usual]["version"] == 3
+    assert rows[usual]["handed_off_at"] is not None and rows[usual]["idempotency_key"] is None
+    assert rows[bare]["terminal"] is None and rows[bare]["handed_off_at"] is None
+    assert content(rows[bare]) == {**content(rows[usual]), "terminal": None}
+    with pytest.raises(InvalidInput):  # the outcome's check, by the one-statement form too
+        await ledger.record_delivery(r, **{**args, "outcome": "nonsense"})
+    assert len((await Audit(ledger).rollout_detail(r))["deliveries"]) == 4
+
+
 async def test_audit_reason_filter_matches_exact_reasons_of_the_latest_build(
     ledger: Ledger, rid: Rid
 ) -> None:

@@ -80,5 +80,6 @@ async def test_a_warm_build_locks_once_per_transaction_and_reads_edges_with_reas
     # Edges and incomplete reasons in one statement; one chain read; one delivery row.
     assert len([s for s in statements if "lineage_edges" in s or "incomplete_events" in s]) == 1
     assert len([s for s in statements if s.startswith("WITH RECURSIVE")]) == 1
-    assert len([s for s in statements if s.startswith("INSERT INTO deliveries")]) == 1
-    assert len(statements) == 6, statements
+    assert len([s for s in statements if "INSERT INTO deliveries" in s]) == 1
+    # Postgres takes the delivery row's lock in the insert itself (one statement, autocommit).
+    assert len(statements) == (5 if ledger.sql.lone_statements_in_autocommit else 6), statements

@@ -29,10 +29,11 @@ class SqlDialect(ABC):
     """What one database spells its own way; every method returns a SQLAlchemy construct."""
 
     name: ClassVar[str]
-    # A lone read statement runs without BEGIN/COMMIT around it (Postgres: one statement is one
-    # consistent snapshot, and the transaction's two round trips are saved); SQLite reads in a
-    # read transaction of the pool.
-    lone_reads_in_autocommit: ClassVar[bool] = False
+    # A lone statement (a read, or a write atomic by itself) runs in autocommit on the hot
+    # path's asyncpg connections (Postgres: one statement is one consistent snapshot and one
+    # atomic write, so BEGIN and COMMIT and SQLAlchemy's per-statement work are saved); SQLite
+    # runs it in a transaction of its own.
+    lone_statements_in_autocommit: ClassVar[bool] = False
     # Records are written optimistically (``ledger.storage.ingest.put_steps``): reads without
     # the rollout's lock, then one write guarded by its version, the rollout heads this ledger
     # wrote remembered (Postgres: the lock is a round trip; SQLite's writer already holds the
@@ -73,7 +74,7 @@ class SqlDialect(ABC):
 
 class PostgresDialect(SqlDialect):
     name = "postgresql"
-    lone_reads_in_autocommit = True
+    lone_statements_in_autocommit = True
     optimistic_records = True
 
     def insert(self, table: sa.Table) -> Any:

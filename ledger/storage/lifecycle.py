@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -16,6 +17,7 @@ from ledger.model import Quarantine
 from ledger.storage import queries
 from ledger.storage.core import LedgerCore, _state_of
 from ledger.storage.results import RetireOutcome, RolloutState
+from ledger.storage.statements import STATEMENTS
 from ledger.tables import (
     utcnow,
 )
@@ -113,6 +115,25 @@ class LifecycleOps(LedgerCore):
         its own transaction, so no delivery row is ever seen built but not handed off.
         """
         handed_off_at = utcnow() if handed_off else None
+        quarantined = tuple(quarantines)
+        if self.sql.lone_statements_in_autocommit and idempotency_key is None and not quarantined:
+            # The usual build: its row in one statement, in autocommit (one round trip).
+            rows = await self._pg_fetch(
+                STATEMENTS["delivery_insert"].postgresql,
+                rollout_id,
+                rollout_id,
+                snapshot_id,
+                version,
+                outcome,
+                json.dumps(list(mask_reasons)),
+                json.dumps(metrics),
+                json.dumps(terminal),
+                consumer,
+                utcnow(),
+                handed_off_at,
+            )
+            if rows:
+                return int(rows[0][0])
 
         def body(conn: Connection) -> int:
             self._lock_rollout(conn, rollout_id)
@@ -144,7 +165,7 @@ class LifecycleOps(LedgerCore):
                     "reason": quarantine.reason,
                     "detail": quarantine.detail,
                 }
-                for quarantine in quarantines
+                for quarantine in quarantined
             ]
             if rows:
                 conn.execute(queries.insert_quarantines(), rows)

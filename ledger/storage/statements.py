@@ -316,6 +316,21 @@ _ALL += [
 ]
 
 _ALL += [
+    _pg_only(
+        "delivery_insert",
+        "Postgres: a build's delivery row (no idempotency key, no quarantines) under the "
+        "rollout's lock, in one statement; returns its id (nothing: no rollout row, which the "
+        "general form creates).",
+        """WITH r AS (SELECT 1 FROM rollouts WHERE rollout_id = ? FOR UPDATE)
+           INSERT INTO deliveries (rollout_id, snapshot_id, version, outcome, mask_reasons,
+                                   metrics, terminal, consumer, built_at, handed_off_at)
+           SELECT ?::varchar, ?::varchar, ?::bigint, ?::varchar, ?::jsonb, ?::jsonb, ?::jsonb,
+                  ?::varchar, ?::timestamptz, ?::timestamptz
+           FROM r RETURNING id""",
+    ),
+]
+
+_ALL += [
     Statement(
         "settle_failed",
         "Cancel the rollout's open failed attempts noted with this retry key (a successful "
