@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import functools
 import re
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
@@ -50,23 +49,6 @@ _Prepared = ingest.Prepared
 def _prepare(entry: TokenEntry, tips: TipCache | None = None) -> _Prepared:
     """Pack and hash a record (pure CPU; may run in a worker thread)."""
     return ingest.prepare(entry, tips)
-
-
-@functools.cache
-def _pg_row_class() -> type:
-    """asyncpg's ``Record`` with attribute access (``row.model_call_id``)."""
-    import asyncpg
-
-    class Row(asyncpg.Record):  # type: ignore[misc]
-        __slots__ = ()
-
-        def __getattr__(self, name: str) -> Any:
-            try:
-                return self[name]
-            except KeyError:
-                raise AttributeError(name) from None
-
-    return Row
 
 
 def _validate_reason(reason: str) -> str:
@@ -261,8 +243,7 @@ class LedgerCore:
 
     async def _pg_fetch(self, sql: str, *args: Any) -> list[Any]:
         """The rows of one Postgres statement on the hot path's connections, in autocommit (one
-        round trip; rows read by attribute, as SQLAlchemy's are).  For the build's reads and
-        writes that are one statement: no SQLAlchemy compile, result or greenlet hop per call."""
+        round trip; no SQLAlchemy compile, result or greenlet hop)."""
         if self.auto_migrate and not self._schema_ready:
             await self.ensure_schema()
         pool = await self._pg_pool()
@@ -270,7 +251,7 @@ class LedgerCore:
             observe(sql)
         try:
             async with pool.acquire() as conn:
-                return list(await conn.fetch(sql, *args, record_class=_pg_row_class()))
+                return list(await conn.fetch(sql, *args))
         except LedgerError:
             raise
         except Exception as exc:

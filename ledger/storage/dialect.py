@@ -29,9 +29,9 @@ class SqlDialect(ABC):
     """What one database spells its own way; every method returns a SQLAlchemy construct."""
 
     name: ClassVar[str]
-    # A lone statement (a read, or a write atomic by itself) runs in autocommit on the hot
-    # path's asyncpg connections (Postgres: one statement is one consistent snapshot and one
-    # atomic write, so BEGIN and COMMIT and SQLAlchemy's per-statement work are saved); SQLite
+    # A lone statement (a read, or a write atomic by itself) runs in autocommit, without BEGIN
+    # and COMMIT around it (Postgres: one statement is one consistent snapshot and one atomic
+    # write; the usual delivery row goes through the hot path's asyncpg connections); SQLite
     # runs it in a transaction of its own.
     lone_statements_in_autocommit: ClassVar[bool] = False
     # Records are written optimistically (``ledger.storage.ingest.put_steps``): reads without

@@ -755,20 +755,19 @@ def json_text(column: Any) -> Any:
     return sa.cast(column, sa.Text()).label(column.key)
 
 
-def _chain_sql(rollout_id: str, call_id: str) -> str:
-    """The chain ending at call ``call_id`` in rollout ``rollout_id``, root first, with its tokens.
+def _chain() -> Any:
+    """The chain ending at ``:call_id`` in rollout ``:rollout_id``, root first, with its tokens.
 
-    ``rollout_id`` and ``call_id`` are placeholders in the driver's style.  One recursive
-    query walking ``parent_call_id``.  Plain SQL both dialects run as written (compiling the
-    recursive CTE from Core cost milliseconds on each engine's first build); JSON columns come
-    back as their stored text."""
+    One recursive query walking ``parent_call_id``.  Plain SQL both dialects run as written
+    (compiling the recursive CTE from Core cost milliseconds on each engine's first build);
+    JSON columns come back as their stored text."""
     c, t = calls.name, call_tokens.name
-    return (
+    return sa.text(
         f"WITH RECURSIVE chain(id, parent_call_id, depth) AS ("
         f"SELECT id, parent_call_id, 0 FROM {c} "
-        f"WHERE rollout_id = {rollout_id} AND model_call_id = {call_id} "
+        f"WHERE rollout_id = :rollout_id AND model_call_id = :call_id "
         f"UNION ALL SELECT p.id, p.parent_call_id, chain.depth + 1 FROM {c} AS p, chain "
-        f"WHERE p.rollout_id = {rollout_id} AND p.model_call_id = chain.parent_call_id "
+        f"WHERE p.rollout_id = :rollout_id AND p.model_call_id = chain.parent_call_id "
         f"AND chain.depth < 1000000) "
         f"SELECT k.model_call_id, k.prompt_is_delta, k.cumulative_len, k.cumulative_digest, "
         f"CAST(k.output_items AS TEXT) AS output_items, k.token_item_index, v.ids_codec, "
@@ -776,12 +775,7 @@ def _chain_sql(rollout_id: str, call_id: str) -> str:
         f"CAST(v.routed_experts AS TEXT) AS routed_experts "
         f"FROM chain JOIN {c} AS k ON k.id = chain.id JOIN {t} AS v ON v.call_id = k.id "
         f"ORDER BY chain.depth DESC"
-    )
-
-
-def _chain() -> Any:
-    """``_chain_sql`` for SQLAlchemy (``:rollout_id``, ``:call_id``)."""
-    return sa.text(_chain_sql(":rollout_id", ":call_id")).bindparams(
+    ).bindparams(
         sa.bindparam("rollout_id", type_=sa.String()), sa.bindparam("call_id", type_=sa.String())
     )
 
@@ -818,7 +812,5 @@ def _edges_and_reasons() -> Any:
 
 # Built once (only their parameters change): the build path's three reads.
 CHAIN = _chain()
-# The same read for asyncpg (Postgres reads it through the hot path's connections).
-PG_CHAIN = _chain_sql("$1::varchar", "$2::varchar")
 CAPTURED_CALLS = _captured_calls()
 EDGES_AND_REASONS = _edges_and_reasons()

@@ -161,18 +161,27 @@ class SnapshotOps(LineageOps):
         link's cumulative digest is re-checked while the chain is replayed, in one pass over
         the chain's tokens.  ``expect`` (the builder's plan) must match.
         """
-        if self.sql.lone_statements_in_autocommit:
-            rows = await self._pg_fetch(queries.PG_CHAIN, rollout_id, terminal_call_id)
-        else:
-            async with self._read() as conn:
-                params = {"rollout_id": rollout_id, "call_id": terminal_call_id}
-                rows = list((await conn.execute(queries.CHAIN, params)).all())
+        rows = await self._read_one(
+            queries.CHAIN, {"rollout_id": rollout_id, "call_id": terminal_call_id}
+        )
         if not rows:
             raise InvalidRecord(f"call {terminal_call_id!r} has no captured record")
         ids = [r.model_call_id for r in rows]
         if expect is not None and list(expect) != ids:
             raise InvalidRecord(f"stored chain {ids} differs from the planned chain {list(expect)}")
         return _replay_chain(rows)
+
+    async def _read_one(self, query: Any, params: dict[str, Any]) -> list[Any]:
+        """The rows of one read statement.  Postgres: in autocommit (one statement is one
+        consistent snapshot by itself; no BEGIN and COMMIT round trips around it)."""
+        if not self.sql.lone_statements_in_autocommit:
+            async with self._read() as conn:
+                return list((await conn.execute(query, params)).all())
+        if self.auto_migrate and not self._schema_ready:
+            await self.ensure_schema()
+        async with self._translate(), self.engine.connect() as conn:
+            conn = await conn.execution_options(isolation_level="AUTOCOMMIT")
+            return list((await conn.execute(query, params)).all())
 
 
 def _views(calls: Sequence[Any], edges: Sequence[Any]) -> list[CallView]:
