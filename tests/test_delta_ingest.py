@@ -158,3 +158,41 @@ async def test_a_tip_keeps_its_widened_tokens_and_a_forged_digest_is_still_refus
         assert (await led.put(last)).status == "created"
     finally:
         await led.close()
+
+
+async def test_a_delta_beyond_the_offload_size_is_checked_in_a_worker_with_the_same_outcome(
+    db_url: str, rid: Rid, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A delta record whose context is past ``_OFFLOAD_DELTA_TOKENS`` is packed and checked in a
+    worker thread (lowered here to every record): the rows are those of the inline check, and a
+    forged digest is refused all the same."""
+    import asyncio
+
+    from ledger.storage import capture
+
+    inline, threaded = rid("inline"), rid("threaded")
+    led = Ledger(db_url)
+    try:
+        for e in chain(inline, 3):
+            assert (await led.put(e)).status == "created"
+        workers: list[str] = []
+        to_thread = asyncio.to_thread
+
+        async def counted(fn: Callable[..., Any], *args: Any) -> Any:
+            workers.append(fn.__name__)
+            return await to_thread(fn, *args)
+
+        monkeypatch.setattr(capture, "_OFFLOAD_DELTA_TOKENS", 0)
+        monkeypatch.setattr(capture.asyncio, "to_thread", counted)
+        entries = chain(threaded, 3)
+        forged = entries[2].model_copy(update={"digest": gym_token_digest([4, 5])})
+        for e in entries[:2]:
+            assert (await led.put(e)).status == "created"
+        with pytest.raises(InvalidRecord, match="do not reproduce its cum_len/digest"):
+            await led.put(forged)
+        assert (await led.put(entries[2])).status == "created"
+        assert workers == ["prepare_delta"] * 3  # the root is not a delta record
+        got_inline, got_threaded = await rows(led, inline), await rows(led, threaded)
+        assert got_inline == got_threaded
+    finally:
+        await led.close()

@@ -16,6 +16,7 @@ from ledger.ids import validate_call_id, validate_rollout_id
 from ledger.records import TokenEntry, coerce_entry
 from ledger.storage import ingest, queries
 from ledger.storage.core import (
+    _OFFLOAD_DELTA_TOKENS,
     _OFFLOAD_TOKENS,
     _storable_call_id,
     _validate_reason,
@@ -123,7 +124,7 @@ class CaptureOps(LineageOps):
         prep: ingest.Prepared | None = None
         if entry.prompt_is_delta:  # a NeMo Gym delta record: prove lineage on its full prompt
             n_tokens = entry.cum_len or 0
-            if n_tokens > _OFFLOAD_TOKENS:
+            if n_tokens > _OFFLOAD_DELTA_TOKENS:
                 prep = await asyncio.to_thread(ingest.prepare_delta, entry, self._tips)
             else:
                 prep = ingest.prepare_delta(entry, self._tips)

@@ -40,6 +40,11 @@ _T = TypeVar("_T")
 _REASON_RE = re.compile(r"^[a-z][a-z0-9_]{0,63}$")
 # Arrays above this many tokens are packed and hashed in a worker thread (keeps the loop free).
 _OFFLOAD_TOKENS = 20_000
+# A NeMo Gym delta record brings only its new tokens; what grows with its context is hashing
+# Gym's digest of the whole sequence (8 bytes a token, about 4 us per 1,000 tokens at 2 GB/s).
+# It goes to a worker thread only where that would hold the loop for about a millisecond: below
+# that, the hand-off to the thread and back costs about as much as the hashing it moves.
+_OFFLOAD_DELTA_TOKENS = 250_000
 
 
 # The record packed and hashed once (``ledger.storage.ingest``); kept under the old names.
