@@ -422,6 +422,13 @@ NOTES = """## How the ingest path works now (issue 12)
   suffix, generation or log-probs) is its stored planes plus one deflated block made in one
   call: a compressor and a code table per plane cost ~40 us per array, about a fifth of a
   short record's CPU. The stream format is unchanged, so rows written before read as they did.
+- **A Gym delta record's check stays on the event loop** up to 250k tokens of context: its only
+  O(context) work is hashing Gym's digest, and handing it to a thread and back past 20k tokens
+  (as full-prompt records still are) cost about as much as the hashing; the per-call CPU at
+  the 200th turn on Postgres went from ~1.1 to ~0.8 ms.
+- **A Postgres build's delivery row is one statement** in autocommit on the hot path's
+  connections (it takes the rollout's lock itself), not BEGIN, lock, insert and COMMIT through
+  SQLAlchemy: ~6 ms to ~1 ms of an 8x50 build, fewer garbage collections per build.
 - **Proxy:** orjson for the request, the upstream answer and the harness's answer; uvicorn with
   httptools; the generating POST over aiohttp (`api/upstream.py`: its C parser carries the
   engine's ~90 KB answer for ~1 ms of CPU where httpx's pure-Python stack took ~3 ms; side by
@@ -433,47 +440,37 @@ NOTES = """## How the ingest path works now (issue 12)
 
 ## What is not met, and why
 
-Figures in this section are from the run above on this machine (an AMD EPYC that ran Gym's
-store, delta records, at 403-439 calls/s in this run, 255-302 in the previous report's run on
-this kind of machine, and 650-700 on the Intel Xeon of the report before; the ledger's figures
-are ratios against it, but its absolute targets, ms and calls/s, are not). Repetitions move
-a lot here: a second full run the same day, before the last two small changes, gave SQLite 1.56x
-(1.52-1.79), Postgres 1.30x (1.24-1.47), Postgres freeze + build 0.25x, Postgres per-call
-growth 1.89x and 200-turn builds of 155 and 181 ms.
+Figures in this section are from the run above (an AMD EPYC with 2 vCPUs, about twice as fast
+as the machine of the previous report under the same name: Gym's store with delta records ran
+at 742-863 calls/s in this run, 403-439 there). The same code moves a lot between runs here: a
+full run earlier the same day, before the last two changes (the chain read back on
+SQLAlchemy, the delta-record threshold below), gave SQLite 2.38x (2.29-2.65), Postgres 1.66x,
+Postgres per-call growth 2.10x, a 200-turn Postgres build of 115 ms and proxy overhead
+4.9/4.0 ms; one on the code before this day's changes, 2.57x, 2.01x, 1.61x, 75 ms and
+5.9/5.3 ms.
 
-- **SQLite throughput (1.5-1.6x here, 2.0x on the faster machine, of 2.5x).** CPU-bound on
-  one core: the process's CPU per call is ~1.5 ms here, almost all of it on the event-loop
-  thread: the batch's statements and commit about a quarter, packing and hashing (Gym's
-  digest check included) a quarter, validating the record a sixth, the rest the capture API
-  and asyncio's own bookkeeping; the flushers' `fdatasync` runs beside it. Closing the rest
-  takes the per-call Python work down by another third (native packing and validation), not a
-  new structure.
-- **Postgres throughput (1.15-1.3x here, of 1.5x).** A Gym-stamped call is two round trips
-  (the intent, committed without waiting for its own WAL flush; the record's one guarded
-  statement), and the ledger process's event loop is the bottleneck: one core ~90% busy with
-  it while Postgres uses about a third of the other, so what is left is the client's Python
-  per call (~1.5 ms: validation, packing and hashing as on SQLite, plus asyncpg's encoding of
-  the record's ~45 parameters).
-- **Postgres freeze + build (0.25-0.31x here, 0.20x on the faster machine, of 0.25x).** The
-  build is the same Python as SQLite's (replaying and checking the chain, projecting) plus
-  about a dozen round trips (8 statements and two write transactions).
-- **Postgres per-call growth at 200 turns (2.57x in this run, 1.89x in the other).** One
-  rollout, ten calls per window: the first window's cost moved from 1.68 to 1.03 ms between
-  the two runs while the last window's stayed at 2.6-3.2 ms; the late calls pay the
-  O(context) SHA-256 of Gym's widened digest check (about 5 ns per token) on ~100k tokens.
-- **The 200-turn build (133-155 ms SQLite, 145-181 ms Postgres here; 74 and 78 ms on the
-  faster machine).** Profiled here: the projection is ~75 ms of it, the chain replay ~30 ms and
-  waiting on the database the rest. The projection writes each call's full prompt into its
-  output item (the output format), so it grows with turns x context: 200 prompts averaging 52k
-  tokens are ~10M list slots to fill, each a reference to an id object.
-- **Proxy overhead at 16k tokens (about 10 ms here, of 5; 12-13 ms above the bare proxy, of
-  2).** The server's CPU per proxied call is ~9 ms against 2.3-2.8 ms for the bare proxies.
-  Of the gap, the engine's longer answer (every prompt id and log-prob, which the bare proxy
-  does not ask for) is what the second anchor pays: the ledger is 6.5-7.3 ms above it. Measured
-  in process on a root call here: parsing the answer 0.5 ms, extracting the tokens 0.45-0.65 ms,
-  the intent and the record (packing and hashing 16k ids, deflating the stored planes, the
-  statements, two commits) ~2.5 ms, the WAL flush before the answer by design; the rest is
-  the event loop's own work for the extra awaits and thread hand-offs.
+- **Proxy overhead above the bare pass-through (5.1/5.0 ms here, of 2).** Out of reach while
+  the record is committed before the harness is answered (design section 5.1). The bare proxy
+  does not ask for token ids; asking for them alone costs 1.6-1.7 ms here (the pass-through
+  that sends the capture request and returns the engine's ~90 KB answer unparsed is that far
+  above it). The ledger is 3.2-3.5 ms above that pass-through: parsing the answer (~0.5 ms),
+  checking and extracting 16k ids (~0.5 ms), the intent and the record (packing, hashing and
+  deflating the ids, the statements) and the WAL flush the promise waits for. Server CPU per
+  proxied call: ledger 4.1 ms, either bare proxy 1.2 ms.
+- **Repetitions below a target.** One of three SQLite repetitions in this run was 2.39x, and
+  the earlier run's median was 2.38x: each repetition is 400 calls (about 0.2 s on SQLite),
+  and Gym's store moved 742-863 calls/s within this run. The ledger's CPU per call is
+  0.37-0.45 ms on SQLite and 0.40-0.45 ms on Postgres (plus the server's); of the SQLite
+  process's work per call, Gym's digest check is about a fifth, validating the record a fifth,
+  packing and deflating the stored forms a fifth, the rest the statements, the commit and
+  asyncio.
+- **Postgres per-call growth and the 200-turn builds swing between runs** (met here; 2.10x and
+  115 ms in the earlier run): one rollout, ten calls per window, and one build. The late calls
+  pay the O(context) SHA-256 of Gym's widened digest check (about 4 us per 1,000 tokens: 0.2
+  ms at the last turns' 52k tokens). A build's time depends on whether a young-generation
+  garbage collection lands while the projection makes each call's prompt list (about 10M list
+  slots at 200 turns, 20-25 ms when it does): the output format is one full prompt list per
+  call.
 - Full-prompt records (the proxy's, and Gym's with delta records off) still cost O(context)
   per call: the record arrives as a Python list of every prompt id, and checking it and
   packing it are C-speed passes over the whole prompt.
