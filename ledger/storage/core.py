@@ -246,25 +246,6 @@ class LedgerCore:
                 raise
             raise translated from exc
 
-    async def _pg_fetch(self, sql: str, *args: Any) -> list[Any]:
-        """The rows of one Postgres statement on the hot path's connections, in autocommit (one
-        round trip; no SQLAlchemy compile, result or greenlet hop)."""
-        if self.auto_migrate and not self._schema_ready:
-            await self.ensure_schema()
-        pool = await self._pg_pool()
-        for observe in ingest.OBSERVERS:
-            observe(sql)
-        try:
-            async with pool.acquire() as conn:
-                return list(await conn.fetch(sql, *args))
-        except LedgerError:
-            raise
-        except Exception as exc:
-            translated = _translate_pg_error(exc)
-            if translated is exc:
-                raise
-            raise translated from exc
-
     async def _pg_pool(self, *, lazy: bool = False) -> ConnectionPool:
         """The hot path's connections (``ledger.storage.pgpool``) on this event loop; ``lazy``:
         their sessions commit without waiting for the WAL flush (``synchronous_commit=off``),

@@ -43,6 +43,7 @@ __all__ = [
     "Parent",
     "Prepared",
     "begin_call_steps",
+    "delivery_steps",
     "first_mismatch",
     "prepare",
     "prepare_delta",
@@ -637,6 +638,14 @@ def first_mismatch(a: bytes, b: bytes) -> int:
 
 
 _HELD: list[tuple[()]] = [()]
+
+
+def delivery_steps(values: tuple[Any, ...]) -> Steps:
+    """Postgres: a build's usual delivery row in one statement (``delivery_insert``: no
+    idempotency key, no quarantines); its id, or None when the rollout has no row yet (the
+    general form creates it)."""
+    rows = yield ("delivery_insert", values)
+    return int(rows[0][0]) if rows else None
 
 
 def run_sqlite(dbapi_conn: Any, steps: Steps) -> Any:

@@ -14,10 +14,9 @@ from ledger.errors import (
 )
 from ledger.ids import validate_rollout_id
 from ledger.model import Quarantine
-from ledger.storage import queries
+from ledger.storage import ingest, queries
 from ledger.storage.core import LedgerCore, _state_of
 from ledger.storage.results import RetireOutcome, RolloutState
-from ledger.storage.statements import STATEMENTS
 from ledger.tables import (
     utcnow,
 )
@@ -118,8 +117,7 @@ class LifecycleOps(LedgerCore):
         quarantined = tuple(quarantines)
         if self.sql.lone_statements_in_autocommit and idempotency_key is None and not quarantined:
             # The usual build: its row in one statement, in autocommit (one round trip).
-            rows = await self._pg_fetch(
-                STATEMENTS["delivery_insert"].postgresql,
+            values = (
                 rollout_id,
                 rollout_id,
                 snapshot_id,
@@ -132,8 +130,9 @@ class LifecycleOps(LedgerCore):
                 utcnow(),
                 handed_off_at,
             )
-            if rows:
-                return int(rows[0][0])
+            did = await self._run_steps(lambda _folded: ingest.delivery_steps(values), single=True)
+            if did is not None:
+                return int(did)
 
         def body(conn: Connection) -> int:
             self._lock_rollout(conn, rollout_id)
