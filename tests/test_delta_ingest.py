@@ -3,6 +3,7 @@ as a delta made whole from the stored chain, and the same refusals, on SQLite an
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 from typing import Any
 
@@ -19,6 +20,7 @@ from ledger.records import (
     gym_token_digest,
     gym_widen,
 )
+from ledger.storage import capture
 from ledger.store import Ledger
 
 Rid = Callable[[str], str]
@@ -166,10 +168,6 @@ async def test_a_delta_beyond_the_offload_size_is_checked_in_a_worker_with_the_s
     """A delta record whose context is past ``_OFFLOAD_DELTA_TOKENS`` is packed and checked in a
     worker thread (lowered here to every record): the rows are those of the inline check, and a
     forged digest is refused all the same."""
-    import asyncio
-
-    from ledger.storage import capture
-
     inline, threaded = rid("inline"), rid("threaded")
     led = Ledger(db_url)
     try:

@@ -1,4 +1,5 @@
-"""Every statement of the ingest hot path, named once, in both dialects.
+"""Every statement of the ingest hot path (and of a build's usual delivery row on Postgres),
+named once, in both dialects.
 
 Written with ``?`` placeholders (SQLite's qmark style); the Postgres text is derived with ``$n``
 placeholders, plus the row lock SQLite does not need (its writes already hold the database's
