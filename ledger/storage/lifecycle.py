@@ -125,6 +125,7 @@ class LifecycleOps(LedgerCore):
                 outcome,
                 json.dumps(list(mask_reasons)),
                 json.dumps(metrics),
+                # None as JSON null, as the general form's JSON column stores it (not SQL NULL).
                 json.dumps(terminal),
                 consumer,
                 utcnow(),
