@@ -19,8 +19,9 @@ from collections.abc import Awaitable, Callable
 from ledger import codec
 from ledger.errors import InvalidRecord, LedgerError
 from ledger.records import TokenEntry, gym_wide_digest, gym_widen
+from ledger.span import Span
 
-__all__ = ["CumulativeReader", "check_cumulative", "materialize_delta"]
+__all__ = ["CumulativeReader", "check_cumulative", "check_extension", "materialize_delta"]
 
 CumulativeReader = Callable[[str, str], Awaitable[bytes]]
 """``(rollout_id, model_call_id)`` → that call's packed prompt+generation ids, as stored."""
@@ -48,27 +49,36 @@ async def materialize_delta(entry: TokenEntry, read_cumulative: CumulativeReader
     return entry.model_copy(update={"prompt_token_ids": prompt})
 
 
-def check_cumulative(
-    entry: TokenEntry, cumulative: bytes, *, wide_prefix: bytes | bytearray | None = None
-) -> bytes | bytearray | None:
+def check_cumulative(entry: TokenEntry, cumulative: bytes) -> None:
     """Refuse a delta record whose reconstructed prompt + generation (packed) does not give its
-    recorded ``cum_len`` and ``digest`` (the length first: it costs nothing).
-
-    ``wide_prefix``: the widened form (``gym_widen``) of a prefix of ``cumulative`` already at
-    hand (the parent's, kept with its tip), so only the rest is widened.  Returns the widened
-    cumulative tokens the digest was checked on (None when the record carries no digest)."""
+    recorded ``cum_len`` and ``digest`` (the length first: it costs nothing)."""
     if entry.cum_len is not None and entry.cum_len != len(cumulative) // 4:
+        _refuse(entry)
+    if entry.digest and gym_wide_digest(gym_widen(cumulative)) != entry.digest:
+        _refuse(entry)
+
+
+def check_extension(
+    entry: TokenEntry, base: Span, base_wide: Span | None, new: bytes
+) -> tuple[Span, bytearray] | None:
+    """:func:`check_cumulative` for a record whose cumulative tokens are ``base`` (its parent's,
+    packed) followed by ``new``, without joining them: the parent's widened form
+    (``base_wide``, kept with its tip) is hashed where it lies and only ``new`` is widened.
+
+    Returns the widened base and ``new`` widened, what the record's own tip extends (None when
+    the record carries no digest)."""
+    if entry.cum_len is not None and entry.cum_len != (len(base) + len(new)) // 4:
         _refuse(entry)
     if not entry.digest:
         return None
-    wide: bytes | bytearray
-    if wide_prefix is None:
-        wide = gym_widen(cumulative)
-    else:
-        wide = wide_prefix + gym_widen(cumulative[len(wide_prefix) // 2 :])
-    if gym_wide_digest(wide) != entry.digest:
+    if base_wide is None or len(base_wide) != 2 * len(base):
+        base_wide = Span.of(gym_widen(bytes(base.view())))
+    wide_new = gym_widen(new)
+    with base_wide.view() as wide_base:
+        digest = gym_wide_digest(wide_base, wide_new)
+    if digest != entry.digest:
         _refuse(entry)
-    return wide
+    return base_wide, wide_new
 
 
 def _refuse(entry: TokenEntry) -> None:

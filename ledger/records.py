@@ -338,15 +338,17 @@ def gym_widen(packed: bytes) -> bytearray:
     return wide
 
 
-def gym_wide_digest(wide: bytes | bytearray) -> str:
-    """The Gym digest of a widened sequence (:func:`gym_widen`).  Its length comes first in the
-    hashed bytes, so the digest of a sequence never extends its prefix's: each one hashes the
-    whole sequence."""
-    n = len(wide) // 8
+def gym_wide_digest(*parts: bytes | bytearray | memoryview) -> str:
+    """The Gym digest of a widened sequence (:func:`gym_widen`), given as ``parts`` end to end
+    (so a parent's widened tokens and a call's new ones need not be joined first).  Its length
+    comes first in the hashed bytes, so the digest of a sequence never extends its prefix's:
+    each one hashes the whole sequence."""
+    n = sum(len(part) for part in parts) // 8
     h = hashlib.sha256(_GYM_DIGEST_DOMAIN)
     if n:
         h.update(struct.pack(">BQ", _GYM_DIGEST_VERSION, n))
-        h.update(wide)
+        for part in parts:
+            h.update(part)
     return h.hexdigest()
 
 

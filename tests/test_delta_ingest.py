@@ -152,7 +152,7 @@ async def test_a_tip_keeps_its_widened_tokens_and_a_forged_digest_is_still_refus
             assert (await led.put(e)).status == "created"
         tip = led._tips.of_call(r, "c2")
         assert tip is not None and tip.gym_wide is not None
-        assert bytes(tip.gym_wide) == bytes(gym_widen(tip.cumulative))
+        assert bytes(tip.gym_wide.view()) == bytes(gym_widen(bytes(tip.cumulative.view())))
         last = entries[3]
         forged = last.model_copy(update={"digest": gym_token_digest([5] * (last.cum_len or 0))})
         with pytest.raises(InvalidRecord, match="do not reproduce its cum_len/digest"):
@@ -192,5 +192,55 @@ async def test_a_delta_beyond_the_offload_size_is_checked_in_a_worker_with_the_s
         assert workers == ["prepare_delta"] * 3  # the root is not a delta record
         got_inline, got_threaded = await rows(led, inline), await rows(led, threaded)
         assert got_inline == got_threaded
+    finally:
+        await led.close()
+
+
+async def test_a_chain_shares_one_buffer_and_a_branch_from_an_older_call_reads_its_own(
+    db_url: str, rid: Rid
+) -> None:
+    """The tips of a chain of delta records extend one buffer (a call costs its new tokens, not
+    a copy of its context); a branch from an older call (a sibling of a later one) copies it, is
+    checked on its own tokens, leaves the chain's tips as they were, and stores what a ledger
+    rebuilding it from the store stores."""
+    r, cold = rid("shared"), rid("sharedcold")
+
+    def cumulative(entries: list[TokenEntry]) -> dict[str, list[int]]:
+        out: dict[str, list[int]] = {}
+        for e in entries:
+            base = out[e.parent_call_id] if e.prompt_is_delta and e.parent_call_id else []
+            out[e.model_call_id] = [*base, *e.prompt_token_ids, *e.generation_token_ids]
+        return out
+
+    def branch(rollout: str) -> list[TokenEntry]:
+        c1 = cumulative(chain(rollout, 2))["c1"]
+        b2 = [*c1, 55, 56, 66, 67]
+        return [
+            record(rollout, "b2", [*c1, 55, 56], [66, 67], ("c1", c1)),
+            record(rollout, "b3", [*b2, 1], [2], ("b2", b2)),
+        ]
+
+    led = Ledger(db_url)
+    try:
+        for e in chain(r, 4):
+            assert (await led.put(e)).status == "created"
+        tips = [led._tips.of_call(r, f"c{t}") for t in range(1, 4)]
+        assert len({id(t.cumulative.buf) for t in tips if t is not None}) == 1
+        assert len({id(t.gym_wide.buf) for t in tips if t is not None and t.gym_wide}) == 1
+        for e in branch(r):
+            assert (await led.put(e)).status == "created"
+        expected = cumulative([*chain(r, 4), *branch(r)])
+        for cid in ("c2", "c3", "b2", "b3"):
+            tip = led._tips.of_call(r, cid)
+            assert tip is not None and tip.gym_wide is not None
+            assert codec.unpack_ids(bytes(tip.cumulative.view())) == expected[cid]
+            assert bytes(tip.gym_wide.view()) == bytes(gym_widen(codec.pack_ids(expected[cid])))
+        for e in [*chain(cold, 4), *branch(cold)]:  # every delta rebuilt from the store
+            fresh = Ledger(db_url)
+            try:
+                assert (await fresh.put(e)).status == "created"
+            finally:
+                await fresh.close()
+        assert await rows(led, r) == await rows(led, cold)
     finally:
         await led.close()

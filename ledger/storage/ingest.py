@@ -30,9 +30,10 @@ from typing import Any
 from ledger import codec
 from ledger.builder import RECORDED_PARENT_METHOD
 from ledger.errors import InvalidRecord, LedgerError, PayloadConflict, RolloutFrozen, RolloutRetired
-from ledger.gym_delta import check_cumulative
+from ledger.gym_delta import check_extension
 from ledger.lineage_ingest import RecordedDecision, recorded_decision
 from ledger.records import TokenEntry, payload_digest
+from ledger.span import Span
 from ledger.storage.statements import STATEMENTS
 from ledger.storage.tips import PrefixHasher, Tip, TipCache
 
@@ -101,9 +102,9 @@ class Prepared:
     # the byte offset its likely delta starts at (the remembered tip's end; 0 for a full prompt).
     stored_from: int = -1
     stored: tuple[str, bytes, bytes] = ("", b"", b"")
-    # The cumulative tokens widened for NeMo Gym's digest, when a delta record's check made it
-    # (kept with the call's tip: see ``Tip.gym_wide``).
-    gym_wide: bytes | bytearray | None = None
+    # The parent's cumulative tokens widened for NeMo Gym's digest and this record's new tokens
+    # widened, when a delta record's check made them (its tip keeps them: ``Tip.gym_wide``).
+    gym_wide: tuple[Span, bytearray] | None = None
     # The writer's recorded parent decision (``ledger.lineage_ingest``), read once.
     decision: RecordedDecision | None = None
 
@@ -120,14 +121,23 @@ class Prepared:
         return self.hasher.base
 
     def tip(self, pk: int) -> Tip:
-        cumulative = self.prompt + self.generation
+        """The committed call's tip.  A continuation's extends its base tip's buffers (the
+        prompt starts with the base's cumulative tokens), so it costs its new tokens only."""
+        base = self.hasher.base
+        if base is None:
+            cumulative = Span.of(self.prompt).extended(self.generation)
+        else:
+            cumulative = base.cumulative.extended(
+                self.prompt[len(base.cumulative) :] + self.generation
+            )
+        wide = self.gym_wide[0].extended(self.gym_wide[1]) if self.gym_wide is not None else None
         return Tip(
             pk,
             self.entry.model_call_id,
             cumulative,
             self.cumulative_state,
             self.cumulative_digest,
-            self.gym_wide,
+            wide,
         )
 
 
@@ -152,8 +162,9 @@ def prepare_delta(entry: TokenEntry, tips: TipCache) -> Prepared | None:
         return None
     generation = entry.packed_ids("generation_token_ids")
     suffix = entry.packed_ids("prompt_token_ids")
-    prompt = tip.cumulative + suffix
-    wide = check_cumulative(entry, prompt + generation, wide_prefix=tip.gym_wide)
+    with tip.cumulative.view() as base:
+        prompt = b"".join((base, suffix))
+    wide = check_extension(entry, tip.cumulative, tip.gym_wide, suffix + generation)
     prepared = _prepared(entry, prompt, generation, tip)
     prepared.gym_wide = wide
     return prepared

@@ -17,26 +17,30 @@ from dataclasses import dataclass
 from typing import Any
 
 from ledger import codec
+from ledger.span import Span
 
 __all__ = ["Heads", "PrefixHasher", "Tip", "TipCache"]
 
 
 @dataclass(frozen=True, slots=True)
 class Tip:
-    """A committed call's cumulative tokens (prompt + generation) and the digest state after."""
+    """A committed call's cumulative tokens (prompt + generation, packed) and the digest state
+    after.  Both byte runs are spans (``ledger.span``): a continuation's tip extends its
+    parent's buffer instead of copying it."""
 
     pk: int
     model_call_id: str
-    cumulative: bytes
+    cumulative: Span
     state: Any  # hashlib object positioned after ``cumulative``
     digest: str
     # ``cumulative`` widened as NeMo Gym's digest hashes it (``ledger.records.gym_widen``), kept
     # when a Gym delta record's check made it, so its child widens only its own new tokens.
-    gym_wide: bytes | bytearray | None = None
+    gym_wide: Span | None = None
 
     @property
     def size(self) -> int:
-        """Bytes this tip holds (what the cache's bound counts)."""
+        """Bytes this tip reads (what the cache's bound counts; tips of one chain share their
+        buffers, so the bound over-counts them)."""
         return len(self.cumulative) + (len(self.gym_wide) if self.gym_wide is not None else 0)
 
     @property
@@ -64,7 +68,7 @@ class TipCache:
             best: Tip | None = None
             for tip in tips:
                 if (best is None or len(tip.cumulative) > len(best.cumulative)) and (
-                    packed_prompt.startswith(tip.cumulative)
+                    packed_prompt.startswith(tip.cumulative.view())
                 ):
                     best = tip
             return best
