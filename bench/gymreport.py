@@ -412,9 +412,19 @@ NOTES = """## How the ingest path works now (issue 12)
   hashes every id widened to 8 bytes after a length header, so it cannot extend a parent's
   state; the widening is per id, so the tip keeps the parent's widened tokens and a child
   widens only its own (the strided copies were 0.29 ms of the 0.78 ms check at 100k tokens).
-  The SHA-256 over the whole widened sequence is the one O(context) step left (about 5 ns per
-  token). A delta whose parent this ledger did not just write is rebuilt from the store as
-  before.
+  The SHA-256 over the whole widened sequence is the one O(context) step left (about 4 ns per
+  token: 0.4 ms at the 200th turn's 105k tokens). A delta whose parent this ledger did not just
+  write is rebuilt from the store as before.
+- **A chain's tips share their buffers.** A tip's packed cumulative tokens and their widened
+  form are spans of a buffer (`ledger/span.py`) that the next call of the chain extends in
+  place; only a branch from an older call (a retry, a sibling) copies. Gym's digest hashes the
+  parent's widened tokens where they lie, then the new ones. At the 200th turn the joins this
+  replaced copied about 2 MB per call (~0.15 ms of ~1.2 ms on Postgres): per-call growth over
+  200 turns on Postgres went from 2.14x to 1.80x in the two runs on this machine.
+- **The payload digest's metadata is written from the field values** (orjson over the
+  record's own values, no `model_dump` copy), byte for byte the dumped form that stored digests
+  were made from; a value orjson would write differently (a pydantic model or a dataclass in
+  `routed_experts`) takes the dumped form.
 - **Stored forms cost a copy where coding would not pay.** Token ids and log-probs are stored
   as byte planes in one raw-deflate stream. The planes that are near-uniform by nature (an
   id's low bytes in a large vocabulary, a float's mantissa) go in as stored blocks; a long
@@ -440,43 +450,40 @@ NOTES = """## How the ingest path works now (issue 12)
 
 ## What is not met, and why
 
-Figures in this section are from the run above (an AMD EPYC with 2 vCPUs, about twice as fast
-as the machine of the previous report under the same name: Gym's store with delta records ran
-at 742-863 calls/s in this run, 403-439 there). The same code moves a lot between runs here: a
-full run earlier the same day, before the last two changes (the chain read back on
-SQLAlchemy, the delta-record threshold below), gave SQLite 2.38x (2.29-2.65), Postgres 1.66x,
-Postgres per-call growth 2.10x, a 200-turn Postgres build of 115 ms and proxy overhead
-4.9/4.0 ms; one on the code before this day's changes, 2.57x, 2.01x, 1.61x, 75 ms and
-5.9/5.3 ms. A run on the final code right after this one gave SQLite 2.26x (1.89-2.31),
-Postgres 1.64x, per-call growth 1.74x (SQLite) and 1.93x (Postgres), 200-turn builds of 72 and
-70 ms and proxy overhead 6.1/5.2 ms (6.7/6.4 ms above the bare proxy): the same code spent
-0.53-0.62 CPU ms per call on SQLite there against 0.37-0.44 here (about +40%), while Gym's
-store spent 1.74-2.00 against 1.56-1.79 (about +10%; 652-773 calls/s). The ledger's throughput
-is its CPU per call, and the ratio moved with it.
+Figures in this section are from the run above, on an Intel Xeon with 2 vCPUs (another machine
+than the previous report's AMD EPYC; Gym's store with delta records ran at 776-791 calls/s
+here). A full run on the code before the last two changes (the shared tip buffers, the
+metadata without `model_dump`), an hour earlier on this machine, gave SQLite 2.47x
+(2.18-2.51), Postgres 1.58x (1.58-1.84), per-call growth 1.58x (SQLite) and 2.14x (Postgres),
+200-turn builds of 73 and 77 ms, and proxy overhead 4.6/4.0 ms (4.9/4.5 ms above the bare
+proxy). Earlier reports' runs on the AMD machine swung as much between runs of the same code
+(SQLite 2.26x-3.17x): the ledger's throughput is its CPU per call on one core (the SQLite
+process kept the 2-vCPU machine about 48% busy), so its ratio follows that core's speed.
 
-- **Proxy overhead above the bare pass-through (5.1/5.0 ms here, of 2).** Out of reach while
+- **Proxy overhead above the bare pass-through (5.5/5.0 ms here, of 2).** Out of reach while
   the record is committed before the harness is answered (design section 5.1). The bare proxy
-  does not ask for token ids; asking for them alone costs 1.6-1.7 ms here (the pass-through
-  that sends the capture request and returns the engine's ~90 KB answer unparsed is that far
-  above it). The ledger is 3.2-3.5 ms above that pass-through: parsing the answer (~0.5 ms),
-  checking and extracting 16k ids (~0.5 ms), the intent and the record (packing, hashing and
-  deflating the ids, the statements) and the WAL flush the promise waits for. Server CPU per
-  proxied call: ledger 4.1 ms, either bare proxy 1.2 ms.
-- **Repetitions below a target.** One of three SQLite repetitions in this run was 2.39x, the
-  earlier run's median 2.38x and the later run's 2.26x; the proxy's 5 ms held in this run and
-  the earlier one, not in the later one (6.1 ms). Each repetition is 400 calls (about 0.2 s
-  on SQLite), and Gym's store moved 742-863 calls/s within this run. The ledger's CPU per call is
-  0.37-0.45 ms on SQLite and 0.40-0.45 ms on Postgres (plus the server's); of the SQLite
-  process's work per call, Gym's digest check is about a fifth, validating the record a fifth,
-  packing and deflating the stored forms a fifth, the rest the statements, the commit and
-  asyncio.
-- **Postgres per-call growth and the 200-turn builds swing between runs** (met here; 2.10x and
-  115 ms in the earlier run): one rollout, ten calls per window, and one build. The late calls
-  pay the O(context) SHA-256 of Gym's widened digest check (about 4 us per 1,000 tokens: 0.2
-  ms at the last turns' 52k tokens). A build's time depends on whether a young-generation
-  garbage collection lands while the projection makes each call's prompt list (about 10M list
-  slots at 200 turns, 20-25 ms when it does): the output format is one full prompt list per
-  call.
+  does not ask for token ids; asking for them alone costs 1.7 ms here (the pass-through that
+  sends the capture request and returns the engine's ~90 KB answer unparsed is that far above
+  it). The ledger is 3.3-3.7 ms above that pass-through: parsing the answer (orjson makes a
+  Python int of each of the 16k prompt ids: ~0.25 ms, and packing them ~0.1 ms), checking and
+  extracting the ids, the intent and the record (packing, hashing and deflating the ids, the
+  statements) and the WAL flush the promise waits for. Server CPU per proxied call: ledger
+  3.8 ms, either bare proxy 1.0-1.3 ms. Parsing a continuation's prompt ids only beyond its
+  parent's (comparing the answer's text of the ids with the parent's) would save ~0.3 ms of a
+  continuation, not a root, and not the 1.5 ms the target needs.
+- **Targets met with little margin.** The proxy's 16k root overhead was 4.97 ms (goal 5) and
+  the Postgres ratio 1.58x (goal 1.5; 1.58-1.67 over the three repetitions); the hour-earlier
+  run gave 4.6 ms and 1.58x. Each repetition is 400 calls (about 0.2 s on SQLite), one long
+  rollout and one build. Of the SQLite process's CPU per call (0.44 ms), Gym's digest check
+  is about a sixth, validating the record about a seventh, packing and deflating the stored
+  forms about a fifth, the rest the statements, the commit and asyncio.
+- **Per-call growth is Gym's digest.** The late calls of a 200-turn rollout pay the O(context)
+  SHA-256 of Gym's widened digest check (about 4 us per 1,000 tokens: 0.4 ms at the last
+  turns' 105k tokens, against a first-turns cost of 0.56-0.59 ms per call on Postgres). Gym's
+  format puts the length first, so no state can be carried from the parent; checking it later
+  (at build) would move the same hashing into the build. A build's time depends on whether a
+  young-generation garbage collection lands while the projection makes each call's prompt list
+  (about 10M list slots at 200 turns, 20-25 ms when it does).
 - Full-prompt records (the proxy's, and Gym's with delta records off) still cost O(context)
   per call: the record arrives as a Python list of every prompt id, and checking it and
   packing it are C-speed passes over the whole prompt.
