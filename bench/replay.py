@@ -28,6 +28,7 @@ from bench.dbs import Db, DbFactory
 from bench.direct import ingest
 from bench.workload import Workload, direct_calls
 from ledger.records import coerce_entry
+from ledger.storage import ingest as ingest_steps
 from ledger.store import Ledger, _prepare
 
 __all__ = ["capture_and_replay", "cpu_floor"]
@@ -116,12 +117,19 @@ async def capture_and_replay(
             # No warm-up: the replay database must see every write from the first one.
             txs, counts = _attach_capture(ledger)
             hops, restore = _count_driver_hops()
+            plain = {"statements": 0}
+
+            def count_plain(_sql: str) -> None:
+                plain["statements"] += 1
+
+            ingest_steps.OBSERVERS.append(count_plain)
             try:
                 t0 = time.perf_counter()
                 res = await ingest(ledger, w, prefix="r")
                 wall = time.perf_counter() - t0
             finally:
                 restore()
+                ingest_steps.OBSERVERS.remove(count_plain)
         finally:
             await ledger.close()
     finally:
@@ -130,7 +138,12 @@ async def capture_and_replay(
     if not txs:
         # The ingest hot path runs plain SQL on the driver (ledger.storage), which SQLAlchemy's
         # cursor events do not see: there is nothing left to replay without SQLAlchemy.
-        return {"calls": calls, "skipped": "the hot path already runs plain SQL", "replay": {}}
+        return {
+            "calls": calls,
+            "skipped": "the hot path already runs plain SQL",
+            "plain_statements_per_call": plain["statements"] / calls,
+            "replay": {},
+        }
     out: dict[str, Any] = {
         "calls": calls,
         "write_transactions": len(txs),
