@@ -37,6 +37,7 @@ from typing import Any, ClassVar, Literal
 
 from api.dialects.common import JSONDict, mapping_or_empty
 from ledger.errors import CaptureFailed
+from ledger.jsonio import copy_parsed
 from ledger.token_rules import MAX_TOKEN_ID, check_log_probs, check_token_ids
 
 __all__ = [
@@ -165,7 +166,8 @@ def _chat_output(choice: JSONDict) -> list[JSONDict]:
     message = choice.get("message")
     if not isinstance(message, dict):
         return []
-    return copy.deepcopy([{**message, "type": "message", "role": "assistant"}])
+    items: list[JSONDict] = copy_parsed([{**message, "type": "message", "role": "assistant"}])
+    return items
 
 
 def _completion_output(choice: JSONDict) -> list[JSONDict]:
@@ -191,7 +193,8 @@ def _without_token_arrays(response: Mapping[str, Any], keep_logprobs: bool) -> J
     if isinstance(choices, list):
         drop = _CHOICE_ARRAYS if keep_logprobs else (*_CHOICE_ARRAYS, "logprobs")
         body["choices"] = [_without(c, drop) if isinstance(c, Mapping) else c for c in choices]
-    return copy.deepcopy(body)
+    copied: JSONDict = copy_parsed(body)
+    return copied
 
 
 def _without(choice: Mapping[str, Any], drop: tuple[str, ...]) -> JSONDict:

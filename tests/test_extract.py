@@ -523,6 +523,27 @@ def test_harness_logprobs_survive_stripping_when_asked() -> None:
     assert "token_ids" not in choice(stripped.harness_body)
 
 
+@pytest.mark.parametrize("keep_logprobs", [False, True])
+def test_the_stripped_copies_share_nothing_with_the_answer(keep_logprobs: bool) -> None:
+    """The harness body and the record's items are copies: changing either (the harness
+    answer is rewritten per dialect) changes neither the answer extraction reads nor the
+    other, and a log-prob of -inf (which orjson alone would copy as null) stays -inf."""
+    answer = vllm_chat()
+    choice(answer)["logprobs"]["content"][0]["logprob"] = -math.inf
+    original = copy.deepcopy(answer)
+    stripped = strip_chat_response(answer, keep_logprobs=keep_logprobs)
+    items_before = copy.deepcopy(stripped.output_items)
+    body = stripped.harness_body
+    choice(body)["message"]["content"] = "changed"
+    body["usage"]["prompt_tokens"] = -1
+    if keep_logprobs:
+        assert choice(body)["logprobs"]["content"][0]["logprob"] == -math.inf
+        choice(body)["logprobs"]["content"][0]["logprob"] = 0.0
+    stripped.output_items[0]["content"] = "also changed"
+    assert answer == original
+    assert items_before[0]["content"] == choice(original)["message"]["content"]
+
+
 def test_completion_answer_is_stripped() -> None:
     stripped = strip_completion_response(vllm_completion())
     text = json.dumps(stripped.harness_body)

@@ -49,7 +49,6 @@ from api.proxy.reply import (
     custody_failure,
     error_response,
     harness_answer,
-    has_non_finite,
     unreadable_answer,
 )
 from api.upstream import UpstreamAnswer, UpstreamFailure, UpstreamPoster
@@ -174,7 +173,7 @@ def _json_bytes(value: Any) -> bytes:
     except TypeError:  # orjson.JSONEncodeError is a TypeError
         pass
     else:
-        if b"null" not in content or not has_non_finite(value):
+        if b"null" not in content or not jsonio.has_non_finite(value):
             return content
     try:
         text = json.dumps(value, ensure_ascii=False, separators=(",", ":"), allow_nan=False)

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from api import dialects as d
 from api.proxy.handlers import DialectHandler
 from ledger.errors import LedgerError, RolloutFrozen, RolloutRetired
+from ledger.jsonio import has_non_finite
 
 
 def json_response(value: Any) -> Response:
@@ -26,17 +27,6 @@ def json_response(value: Any) -> Response:
     if b"null" in content and has_non_finite(value):
         return JSONResponse(value)
     return Response(content, media_type="application/json")
-
-
-def has_non_finite(value: Any) -> bool:
-    """Whether a NaN or an infinity is anywhere in ``value`` (which orjson writes as null)."""
-    if isinstance(value, float):
-        return value != value or value in (float("inf"), float("-inf"))
-    if isinstance(value, dict):
-        return any(has_non_finite(v) for v in value.values())
-    if isinstance(value, list):
-        return any(has_non_finite(v) for v in value)
-    return False
 
 
 def harness_answer(
