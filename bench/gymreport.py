@@ -439,6 +439,11 @@ NOTES = """## How the ingest path works now (issue 12)
 - **A Postgres build's delivery row is one statement** in autocommit on the hot path's
   connections (it takes the rollout's lock itself), not BEGIN, lock, insert and COMMIT through
   SQLAlchemy: ~6 ms to ~1 ms of an 8x50 build, fewer garbage collections per build.
+- **The harness's answer is copied by an orjson round trip**, not `copy.deepcopy`
+  (`ledger.jsonio.copy_parsed`; the deep copy only for what orjson would change or refuse,
+  such as an infinite log-prob). A harness that asks for log-probs gets one object per
+  generated token back, and deep-copying 300 of them cost ~0.8 ms of the answer path; the copy
+  now costs ~0.14 ms.
 - **Proxy:** orjson for the request, the upstream answer and the harness's answer; uvicorn with
   httptools; the generating POST over aiohttp (`api/upstream.py`: its C parser carries the
   engine's ~90 KB answer for ~1 ms of CPU where httpx's pure-Python stack took ~3 ms; side by
@@ -451,35 +456,45 @@ NOTES = """## How the ingest path works now (issue 12)
 ## What is not met, and why
 
 Figures in this section are from the run above, on an Intel Xeon with 2 vCPUs (another machine
-than the previous report's AMD EPYC; Gym's store with delta records ran at 776-791 calls/s
-here). A full run on the code before the last two changes (the shared tip buffers, the
-metadata without `model_dump`), an hour earlier on this machine, gave SQLite 2.47x
-(2.18-2.51), Postgres 1.58x (1.58-1.84), per-call growth 1.58x (SQLite) and 2.14x (Postgres),
-200-turn builds of 73 and 77 ms, and proxy overhead 4.6/4.0 ms (4.9/4.5 ms above the bare
-proxy). Earlier reports' runs on the AMD machine swung as much between runs of the same code
-(SQLite 2.26x-3.17x): the ledger's throughput is its CPU per call on one core (the SQLite
-process kept the 2-vCPU machine about 48% busy), so its ratio follows that core's speed.
+than the previous report's AMD EPYC; Gym's store with delta records ran at 787-804 calls/s
+here). The three full runs of the morning on this machine, in order (growth: SQLite /
+Postgres; proxy: root / continuation):
 
-- **Proxy overhead above the bare pass-through (5.5/5.0 ms here, of 2).** Out of reach while
+1. the session's starting code: SQLite 2.47x (2.18-2.51), Postgres 1.58x (1.58-1.84), growth
+   1.58x / 2.14x, 200-turn builds 73 / 77 ms, proxy 4.6 / 4.0 ms (4.9 / 4.5 above bare);
+2. with the shared tip buffers and the metadata without `model_dump`: 2.62x (2.54-2.64),
+   1.58x (1.58-1.67), 1.81x / 1.80x, 65 / 73 ms, 5.0 / 4.4 ms (5.5 / 5.0 above bare);
+3. the final code (the run above): 2.50x (2.40-2.57), 1.71x (1.66-1.83), 1.55x / 1.93x,
+   64 / 73 ms, 4.1 / 3.6 ms (4.7 / 4.3 above bare).
+
+The ledger's CPU per call on SQLite was 0.44-0.46 ms in all three; the SQLite ratio moved with
+Gym's own speed (776-804 calls/s) and with this machine. Earlier reports' runs on the AMD
+machine swung as much between runs of the same code (SQLite 2.26x-3.17x). The ledger's
+SQLite throughput is its CPU per call on one core (the process kept the 2-vCPU machine about
+48-49% busy, where Gym's store, whose file writes run in threads, kept it 53-57% busy);
+handing the digest check to a worker thread to use the second core cut it by ~30% instead
+(about 1,400 against 1,980 calls/s side by side: the two threads take turns on the GIL).
+
+- **Proxy overhead above the bare pass-through (4.7/4.3 ms here, of 2).** Out of reach while
   the record is committed before the harness is answered (design section 5.1). The bare proxy
-  does not ask for token ids; asking for them alone costs 1.7 ms here (the pass-through that
-  sends the capture request and returns the engine's ~90 KB answer unparsed is that far above
-  it). The ledger is 3.3-3.7 ms above that pass-through: parsing the answer (orjson makes a
-  Python int of each of the 16k prompt ids: ~0.25 ms, and packing them ~0.1 ms), checking and
-  extracting the ids, the intent and the record (packing, hashing and deflating the ids, the
-  statements) and the WAL flush the promise waits for. Server CPU per proxied call: ledger
-  3.8 ms, either bare proxy 1.0-1.3 ms. Parsing a continuation's prompt ids only beyond its
-  parent's (comparing the answer's text of the ids with the parent's) would save ~0.3 ms of a
-  continuation, not a root, and not the 1.5 ms the target needs.
-- **Targets met with little margin.** The proxy's 16k root overhead was 4.97 ms (goal 5) and
-  the Postgres ratio 1.58x (goal 1.5; 1.58-1.67 over the three repetitions); the hour-earlier
-  run gave 4.6 ms and 1.58x. Each repetition is 400 calls (about 0.2 s on SQLite), one long
-  rollout and one build. Of the SQLite process's CPU per call (0.44 ms), Gym's digest check
-  is about a sixth, validating the record about a seventh, packing and deflating the stored
-  forms about a fifth, the rest the statements, the commit and asyncio.
+  does not ask for token ids; asking for them alone costs 1.6-1.7 ms here (the pass-through
+  that sends the capture request and returns the engine's ~90 KB answer unparsed is that far
+  above it). The ledger is 2.6-3.1 ms above that pass-through: parsing the answer (orjson makes
+  a Python int of each of the 16k prompt ids: ~0.25 ms, and packing them ~0.1 ms), checking
+  and extracting the ids, the intent and the record (packing, hashing and deflating the ids,
+  the statements) and the WAL flush the promise waits for (~0.35 ms). Server CPU per proxied
+  call: ledger 3.6 ms, either bare proxy 1.0-1.2 ms. Parsing a continuation's prompt ids only
+  beyond its parent's (comparing the answer's text of the ids with the parent's) would save
+  ~0.3 ms of a continuation, not a root, and not the ~1 ms the target still needs.
+- **Targets met with little margin.** The SQLite ratio was 2.50x (2.40-2.57 over the three
+  repetitions; 2.47x and 2.62x in the other runs) and the Postgres per-call growth 1.93x (2.14x
+  and 1.80x). Each repetition is 400 calls (about 0.2 s on SQLite), one long rollout and one
+  build. Of the SQLite process's CPU per call (0.44 ms), Gym's digest check is about a sixth,
+  validating the record about a seventh, packing and deflating the stored forms about a fifth,
+  the rest the statements, the commit and asyncio.
 - **Per-call growth is Gym's digest.** The late calls of a 200-turn rollout pay the O(context)
   SHA-256 of Gym's widened digest check (about 4 us per 1,000 tokens: 0.4 ms at the last
-  turns' 105k tokens, against a first-turns cost of 0.56-0.59 ms per call on Postgres). Gym's
+  turns' 105k tokens, against a first-turns cost of 0.54-0.59 ms per call on Postgres). Gym's
   format puts the length first, so no state can be carried from the parent; checking it later
   (at build) would move the same hashing into the build. A build's time depends on whether a
   young-generation garbage collection lands while the projection makes each call's prompt list
