@@ -421,17 +421,6 @@ NOTES = """## How the ingest path works now (issue 12)
   parent's widened tokens where they lie, then the new ones. At the 200th turn the joins this
   replaced copied about 2 MB per call (~0.15 ms of ~1.2 ms on Postgres): per-call growth over
   200 turns on Postgres went from 2.14x to 1.80x in the two runs on this machine.
-- **The payload digest's metadata is written from the field values** (orjson over the
-  record's own values, no `model_dump` copy), byte for byte the dumped form that stored digests
-  were made from; a value orjson would write differently (a pydantic model or a dataclass in
-  `routed_experts`) takes the dumped form.
-- **Stored forms cost a copy where coding would not pay.** Token ids and log-probs are stored
-  as byte planes in one raw-deflate stream. The planes that are near-uniform by nature (an
-  id's low bytes in a large vocabulary, a float's mantissa) go in as stored blocks; a long
-  array's low planes are probed first and coded only when that pays. A short array (a call's
-  suffix, generation or log-probs) is its stored planes plus one deflated block made in one
-  call: a compressor and a code table per plane cost ~40 us per array, about a fifth of a
-  short record's CPU. The stream format is unchanged, so rows written before read as they did.
 - **A Gym delta record's check stays on the event loop** up to 250k tokens of context: its only
   O(context) work is hashing Gym's digest, and handing it to a thread and back past 20k tokens
   (as full-prompt records still are) cost about as much as the hashing; the per-call CPU at
@@ -462,10 +451,13 @@ Postgres; proxy: root / continuation):
 
 1. the session's starting code: SQLite 2.47x (2.18-2.51), Postgres 1.58x (1.58-1.84), growth
    1.58x / 2.14x, 200-turn builds 73 / 77 ms, proxy 4.6 / 4.0 ms (4.9 / 4.5 above bare);
-2. with the shared tip buffers and the metadata without `model_dump`: 2.62x (2.54-2.64),
-   1.58x (1.58-1.67), 1.81x / 1.80x, 65 / 73 ms, 5.0 / 4.4 ms (5.5 / 5.0 above bare);
-3. the final code (the run above): 2.50x (2.40-2.57), 1.71x (1.66-1.83), 1.55x / 1.93x,
-   64 / 73 ms, 4.1 / 3.6 ms (4.7 / 4.3 above bare).
+2. with the shared tip buffers: 2.62x (2.54-2.64), 1.58x (1.58-1.67), 1.81x / 1.80x, 65 / 73
+   ms, 5.0 / 4.4 ms (5.5 / 5.0 above bare);
+3. with the harness answer's cheaper copy too (the run above): 2.50x (2.40-2.57), 1.71x
+   (1.66-1.83), 1.55x / 1.93x, 64 / 73 ms, 4.1 / 3.6 ms (4.7 / 4.3 above bare).
+
+Runs 2 and 3 also wrote the payload digest's metadata without a `model_dump` copy, reverted
+afterwards: it saved 2 us of a record's ~440 us, not worth a second code path.
 
 The ledger's CPU per call on SQLite was 0.44-0.46 ms in all three; the SQLite ratio moved with
 Gym's own speed (776-804 calls/s) and with this machine. Earlier reports' runs on the AMD

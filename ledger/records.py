@@ -372,25 +372,9 @@ def _first_error(exc: ValidationError) -> str:
 
 
 def canonical_metadata(entry: TokenEntry) -> bytes:
-    """Sorted, compact JSON of every field except the token arrays.
-
-    Written from the field values as they stand (no ``model_dump`` copy: about a twentieth of a
-    Gym record's ingest); the dumped form writes it when orjson cannot (a value ``model_dump``
-    would first turn into a dict, such as a pydantic model in ``routed_experts``).  Either way
-    the bytes are those of the dumped form: payload digests of stored records depend on them."""
-    values = entry.__dict__
-    data = {name: values[name] for name in _METADATA_FIELDS}
-    if entry.__pydantic_extra__:
-        data.update(entry.__pydantic_extra__)
-    try:  # a dataclass too goes to the dumped form: orjson would not sort its fields
-        return orjson.dumps(data, option=_CANONICAL | orjson.OPT_PASSTHROUGH_DATACLASS)
-    except TypeError:
-        pass
-    return orjson.dumps(entry.model_dump(exclude=set(_TOKEN_FIELDS)), option=_CANONICAL)
-
-
-_CANONICAL = orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS
-_METADATA_FIELDS = tuple(name for name in TokenEntry.model_fields if name not in _TOKEN_FIELDS)
+    """Sorted, compact JSON of every field except the token arrays."""
+    data = entry.model_dump(exclude=set(_TOKEN_FIELDS))
+    return orjson.dumps(data, option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS)
 
 
 def payload_digest(entry: TokenEntry, prompt_digest: str, generation_packed: bytes) -> str:

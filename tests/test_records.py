@@ -2,18 +2,12 @@
 
 from __future__ import annotations
 
-import dataclasses
-from datetime import UTC, datetime
 from typing import Any
 
-import orjson
 import pytest
-from pydantic import BaseModel
 
 from ledger.errors import InvalidRecord, UnsupportedSchemaVersion
-from ledger.records import TokenEntry, canonical_metadata, coerce_entry
-
-TOKEN_FIELDS = ("prompt_token_ids", "generation_token_ids", "generation_log_probs")
+from ledger.records import TokenEntry, coerce_entry
 
 
 def gym_record(**over: Any) -> dict[str, Any]:
@@ -79,44 +73,3 @@ def test_minus_infinity_log_prob_survives_json() -> None:
     e = coerce_entry(gym_record(generation_log_probs=[-9999.0, float("-inf"), -0.5]))
     back = TokenEntry.model_validate_json(e.model_dump_json())
     assert back.generation_log_probs == [-9999.0, float("-inf"), -0.5]
-
-
-class _Pair(BaseModel):
-    b: int
-    a: float
-
-
-@dataclasses.dataclass
-class _Fields:
-    b: int
-    a: str
-
-
-@pytest.mark.parametrize(
-    "extra",
-    [
-        {},
-        {"routed_experts": [[1, 2], [3]], "output_items": [{"type": "message", "z": 1, "a": [{}]}]},
-        {"parent_resolution": "resolved", "parent_call_id": "p", "cum_len": 3, "digest": "ab"},
-        {"unknown_extra": {"y": 1, "x": [1.5, None]}, "response_id": "resp"},
-        {"routed_experts": _Pair(b=1, a=2.5)},  # a model: dumped to a dict first
-        {"routed_experts": _Fields(b=1, a="x")},  # a dataclass: its fields sorted too
-        {"routed_experts": {"when": datetime(2026, 1, 2, tzinfo=UTC), 3: "int key"}},
-    ],
-)
-def test_canonical_metadata_is_the_dumped_form(extra: dict[str, Any]) -> None:
-    """The payload digest's metadata bytes are those of the record's ``model_dump`` form
-    (sorted, compact), whichever way they are written: stored digests depend on them."""
-    entry = TokenEntry(
-        rollout_id="r",
-        model_call_id="c",
-        prompt_token_ids=[1, 2],
-        generation_token_ids=[3],
-        generation_log_probs=[-0.5],
-        **extra,
-    )
-    dumped = orjson.dumps(
-        entry.model_dump(exclude=set(TOKEN_FIELDS)),
-        option=orjson.OPT_SORT_KEYS | orjson.OPT_NON_STR_KEYS,
-    )
-    assert canonical_metadata(entry) == dumped
