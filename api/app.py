@@ -18,6 +18,7 @@ from api.guard import BrowserGuard
 from api.health import HealthCheck
 from api.limits import discover_context_length, record_token_cap
 from api.metrics import Metrics
+from api.proxy.known_prompts import KnownPrompts
 from api.routes import router as ledger_router
 from api.upstream import AiohttpPoster, HttpxPoster
 from ledger.config import Settings
@@ -160,6 +161,7 @@ def create_app(
         lifespan=lifespan,
     )
     app.state.metrics = Metrics()
+    app.state.known_prompts = KnownPrompts()
     app.state.max_record_tokens = record_token_cap(settings, None)
     install_log_redaction(*REDACTED_LOGGERS)
     app.include_router(ledger_router)

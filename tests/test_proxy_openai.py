@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 
+from api.proxy.known_prompts import KnownPrompts
 from rollout_sim import Reply, SimEngine
 from tests.proxy_support import Stack, delivered, sampled_chain, start_stack
 from tests.support.smollm2 import load_smollm2_tokenizer
@@ -145,6 +146,42 @@ def test_chat_tool_loop_rebuilds_exactly(stack: Stack, rid: Rid, stream: bool) -
     sent = stack.engine.bodies("/v1/chat/completions")[-1]
     assert sent["tools"] == [CHAT_TOOL]
     assert [m["role"] for m in sent["messages"]][-2:] == ["assistant", "tool"]
+    assert_exact_chain(stack, r, final.id, 3)
+
+
+def test_a_continuations_prompt_ids_come_from_the_last_prompt_and_rebuild_exactly(
+    stack: Stack, rid: Rid, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From the second call of a rollout on, the proxy takes the prompt ids the last call
+    already had from its cache (``api.proxy.known_prompts``) and parses only the rest; the
+    records still rebuild exactly what the engine sampled."""
+    reused: list[int] = []
+    parse = KnownPrompts.parse
+
+    def counted(self: KnownPrompts, rollout_id: str, raw: bytes, where: Any) -> Any:
+        parsed = parse(self, rollout_id, raw, where)
+        if parsed is not None and rollout_id == r:
+            reused.append(parsed.reused)
+        return parsed
+
+    monkeypatch.setattr(KnownPrompts, "parse", counted)
+    r = rid("known")
+    messages: list[dict[str, Any]] = [
+        {"role": "system", "content": "You check the weather."},
+        {"role": "user", "content": "Weather in Paris?"},
+    ]
+    stack.engine.script_tool_call("get_weather", {"city": "Paris"}, content="")
+    first = _chat_turn(stack, r, messages, stream=False, turn=1)
+    messages.append(_echo(first.choices[0].message))
+    messages.append({"role": "tool", "tool_call_id": "x", "content": "9C"})
+    stack.engine.script("Sunny.")
+    second = _chat_turn(stack, r, messages, stream=False, turn=2)
+    messages += [{"role": "assistant", "content": "Sunny."}, {"role": "user", "content": "Rome?"}]
+    stack.engine.script("Also sunny.")
+    final = _chat_turn(stack, r, messages, stream=False, turn=3)
+    assert second.choices[0].message.content == "Sunny."
+    prompts = [len(answer["prompt_token_ids"]) for answer in stack.sampled]
+    assert reused == prompts[:2]  # calls 2 and 3 each reused the whole last prompt
     assert_exact_chain(stack, r, final.id, 3)
 
 

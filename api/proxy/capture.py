@@ -45,6 +45,7 @@ from api.limits import OFFLOAD_BYTES, OFFLOAD_TOKENS, parse_json_body
 from api.metrics import Metrics
 from api.proxy.handlers import HANDLERS, DialectHandler
 from api.proxy.headers import auth_headers, json_headers
+from api.proxy.known_prompts import KnownPrompts, Parsed
 from api.proxy.reply import (
     custody_failure,
     error_response,
@@ -81,6 +82,17 @@ class CallContext:
     @property
     def dialect(self) -> d.Dialect:
         return self.handler.dialect
+
+
+@dataclass(frozen=True, slots=True)
+class _Answer:
+    """The upstream's parsed answer, with what the prompt-id cache (``KnownPrompts``) needs:
+    the engine's text of its prompt ids (None: not found once at a known place) and, when the
+    leading ids came from the rollout's last prompt, that parse."""
+
+    body: dict[str, Any]
+    prompt_text: bytes | None = None
+    parsed: Parsed | None = None
 
 
 async def capture(
@@ -143,7 +155,7 @@ async def capture(
     if isinstance(answer, Response):
         return answer
     if plan is not None and plan.requested:
-        unproven = await _prove_prefix(ledger, ctx, plan, answer, upstream)
+        unproven = await _prove_prefix(ledger, ctx, plan, answer.body, upstream)
         if unproven is not None:
             return unproven
     # The record's transaction also cancels earlier failed attempts of this same request;
@@ -212,7 +224,7 @@ async def _call_upstream(
     upstream: d.UpstreamRequest,
     payload: bytes,
     metrics: Metrics,
-) -> dict[str, Any] | Response:
+) -> _Answer | Response:
     """POST upstream; on failure answer in the dialect and settle the intent."""
     poster: UpstreamPoster = request.app.state.upstream_post
     ledger: Ledger = request.app.state.ledger
@@ -239,20 +251,25 @@ async def _call_upstream(
             await _failed_attempt(ledger, ctx, f"HTTP {resp.status}: {error.message}")
         reply = d.upstream_error_reply(ctx.dialect, error)
         return error_response(reply, stream=upstream.stream, handler=ctx.handler)
+    # A chat answer's prompt ids: the leading ones the rollout's last prompt already had are
+    # taken from it, not parsed again (``api.proxy.known_prompts``).
+    known: KnownPrompts = request.app.state.known_prompts
+    where = known.locate(raw) if HANDLERS[upstream.dialect].chat_answer else None
+    parsed = known.parse(ctx.rollout_id, raw, where) if where is not None else None
     try:
-        # A long context's answer is parsed in a worker thread (the event loop keeps serving).
-        answer = (
-            await asyncio.to_thread(jsonio.loads, raw)
-            if len(raw) > OFFLOAD_BYTES
-            else jsonio.loads(raw)
-        )
+        if parsed is not None:
+            answer = parsed.answer
+        elif len(raw) > OFFLOAD_BYTES:  # parsed in a worker thread (the event loop keeps serving)
+            answer = await asyncio.to_thread(jsonio.loads, raw)
+        else:
+            answer = jsonio.loads(raw)
         if not isinstance(answer, dict):
             raise ValueError("not a JSON object")
     except ValueError as exc:
         metrics.upstream_errors.labels("bad_json").inc()
         await _settle(ledger, ctx, "malformed_token_payload", f"upstream answer is not JSON: {exc}")
         return unreadable_answer(ctx.handler, upstream, "not a JSON object")
-    return answer
+    return _Answer(answer, raw[where[0] : where[1]] if where is not None else None, parsed)
 
 
 async def _post_upstream(
@@ -376,13 +393,14 @@ async def _record(
     request: Request,
     ctx: CallContext,
     upstream: d.UpstreamRequest,
-    answer: dict[str, Any],
+    upstream_answer: _Answer,
     ledger: Ledger,
     metrics: Metrics,
 ) -> tuple[StrippedResponse, tuple[str, ...] | None]:
     """Extract, cross-check and commit the call's record; never raises.  Also returns the
     failed attempts of the same request the record's transaction cancelled (None: it did not
     commit)."""
+    answer = upstream_answer.body
     settled: tuple[str, ...] | None = None
     chat = HANDLERS[upstream.dialect].chat_answer
     strip = strip_chat_response if chat else strip_completion_response
@@ -405,13 +423,14 @@ async def _record(
     if chat:
         stripped = _as_response_items(stripped)
     record = _entry(ctx, payload, stripped, answer)
+    packed = _known_prompt(request.app.state.known_prompts, ctx, upstream_answer, record)
     try:
         cont = continuation_fingerprint(ctx.request_items, ctx.handler.echoed_output(stripped))
     except Exception:  # best effort: without it only drift goes undiagnosed
         cont = ""
     try:
         result = await ledger.put(
-            _checked_entry(record),
+            _checked_entry(record, packed),
             route=ctx.route,
             request_fingerprint=ctx.request_fingerprint,
             continuation_fingerprint=cont,
@@ -438,6 +457,21 @@ async def _record(
             log.exception("record failed rollout=%s call=%s", ctx.rollout_id, ctx.model_call_id)
         await _settle(ledger, ctx, "capture_failed", f"{type(exc).__name__}: {exc}")
     return stripped, settled
+
+
+def _known_prompt(
+    known: KnownPrompts, ctx: CallContext, answer: _Answer, record: Mapping[str, Any]
+) -> bytes | None:
+    """The record's prompt ids packed (reusing the packed ids the parse took from the cache),
+    remembered for the rollout's next call when the answer carried them at its top level; None
+    when they are not (the ledger packs them itself)."""
+    ids = record["prompt_token_ids"]
+    if answer.prompt_text is None or not isinstance(answer.body.get("prompt_token_ids"), list):
+        return None
+    packed = known.packed(ids, answer.parsed)
+    if packed is not None:
+        known.remember(ctx.rollout_id, answer.prompt_text, ids, packed)
+    return packed
 
 
 def _token_count(answer: Mapping[str, Any]) -> int:
@@ -502,9 +536,12 @@ def _entry(
     return entry
 
 
-def _checked_entry(record: dict[str, Any]) -> TokenEntry | dict[str, Any]:
+def _checked_entry(
+    record: dict[str, Any], packed_prompt: bytes | None = None
+) -> TokenEntry | dict[str, Any]:
     """The record as a ``TokenEntry``, without pydantic checking again what the extractor just
     checked with the same rules (``ledger.token_rules``: token ids, log-probs, their lengths).
+    ``packed_prompt``: its prompt ids already packed, which the ledger then does not pack again.
 
     A record is validated once: the fields the extractor does not produce (ids, time, item
     index) are checked here, in O(1); a record that fails any of them goes to ``put`` as a
@@ -522,7 +559,11 @@ def _checked_entry(record: dict[str, Any]) -> TokenEntry | dict[str, Any]:
         and isinstance(record["prompt_token_ids"], list)
     ):
         return record
-    return TokenEntry.model_construct(**record)
+    entry = TokenEntry.model_construct(**record)
+    if packed_prompt is not None:
+        ids = record["prompt_token_ids"]
+        entry._packed = {"prompt_token_ids": (ids, len(ids), packed_prompt)}
+    return entry
 
 
 async def count_tokens(request: Request) -> Response:
