@@ -434,9 +434,10 @@ NOTES = """## How the ingest path works now (issue 12)
   prompt ids as the engine wrote them, parsed and packed (bounded at an estimated 64 MB, least
   recently used first); when the new answer's text of the ids starts with that text up to a
   comma, those ids are taken as they are and only the rest is parsed and packed. Anything else
-  parses the answer whole, and extraction checks the ids as before. Side by side in one run:
-  a 16k continuation's overhead went 4.1-4.2 -> 3.7 ms, a 60k one's 7.2 -> 6.5 ms; a root pays
-  a little more (the ids it keeps stay allocated: within the noise at 16k, ~0.4 ms at 60k).
+  parses the answer whole, and extraction checks the ids as before. Side by side (three runs
+  at 16k, one at 60k): a 16k continuation's overhead went down 0.3-0.5 ms, a 60k one's 7.2 ->
+  6.5 ms; a root's moved within the noise at 16k (+0.15, -0.16, +0.01 ms) and by +0.4 ms at
+  60k (the ids it keeps stay allocated).
 - **The harness's answer is copied by an orjson round trip**, not `copy.deepcopy`
   (`ledger.jsonio.copy_parsed`; the deep copy only for what orjson would change or refuse,
   such as an infinite log-prob). A harness that asks for log-probs gets one object per
@@ -454,44 +455,53 @@ NOTES = """## How the ingest path works now (issue 12)
 ## What is not met, and why
 
 Figures in this section are from the run above, on an Intel Xeon with 2 vCPUs (another machine
-than the previous report's AMD EPYC; Gym's store with delta records ran at 787-804 calls/s
-here). The three full runs of the morning on this machine, in order (growth: SQLite /
+than the previous report's AMD EPYC; Gym's store with delta records ran at 789-817 calls/s
+here). The four full runs of the morning on this machine, in order (growth: SQLite /
 Postgres; proxy: root / continuation):
 
 1. the session's starting code: SQLite 2.47x (2.18-2.51), Postgres 1.58x (1.58-1.84), growth
    1.58x / 2.14x, 200-turn builds 73 / 77 ms, proxy 4.6 / 4.0 ms (4.9 / 4.5 above bare);
 2. with the shared tip buffers: 2.62x (2.54-2.64), 1.58x (1.58-1.67), 1.81x / 1.80x, 65 / 73
    ms, 5.0 / 4.4 ms (5.5 / 5.0 above bare);
-3. with the harness answer's cheaper copy too (the run above): 2.50x (2.40-2.57), 1.71x
-   (1.66-1.83), 1.55x / 1.93x, 64 / 73 ms, 4.1 / 3.6 ms (4.7 / 4.3 above bare).
+3. with the harness answer's cheaper copy: 2.50x (2.40-2.57), 1.71x (1.66-1.83), 1.55x /
+   1.93x, 64 / 73 ms, 4.1 / 3.6 ms (4.7 / 4.3 above bare);
+4. with the proxy's prompt-id reuse, the final code (the run above): 2.53x (2.39-2.55), 1.63x
+   (1.58-1.67), 1.48x / 2.03x, 69 / 75 ms, 5.3 / 4.4 ms (5.7 / 4.9 above bare).
 
 Runs 2 and 3 also wrote the payload digest's metadata without a `model_dump` copy, reverted
-afterwards: it saved 2 us of a record's ~440 us, not worth a second code path.
+afterwards: it saved 2 us of a record's ~440 us, not worth a second code path. The 1-minute
+load average was 0.3-0.5 in runs 1-3 and 1.3-1.6 in run 4. The proxy changes were measured
+side by side instead (`bench.proxy --before`, the two servers interleaved in one run): with
+the prompt-id reuse, 16k continuations 4.23 -> 3.72, 4.09 -> 3.70 and 4.43 -> 4.11 ms in
+three runs, roots 4.77 -> 4.92, 4.91 -> 4.75 and 5.23 -> 5.24 ms; run 4's slower proxy is this
+machine's, not the change's. The Postgres long rollout does not go through the proxy: its
+growth moved 1.80x -> 1.93x -> 2.03x on the same ledger code.
 
-The ledger's CPU per call on SQLite was 0.44-0.46 ms in all three; the SQLite ratio moved with
-Gym's own speed (776-804 calls/s) and with this machine. Earlier reports' runs on the AMD
+The ledger's CPU per call on SQLite was 0.44-0.48 ms in all four; the SQLite ratio moved with
+Gym's own speed (761-817 calls/s) and with this machine. Earlier reports' runs on the AMD
 machine swung as much between runs of the same code (SQLite 2.26x-3.17x). The ledger's
 SQLite throughput is its CPU per call on one core (the process kept the 2-vCPU machine about
-48-49% busy, where Gym's store, whose file writes run in threads, kept it 53-57% busy);
+48-49% busy, where Gym's store, whose file writes run in threads, kept it 53-58% busy);
 handing the digest check to a worker thread to use the second core cut it by ~30% instead
 (about 1,400 against 1,980 calls/s side by side: the two threads take turns on the GIL).
 
-- **Proxy overhead above the bare pass-through (4.7/4.3 ms here, of 2).** Out of reach while
+- **Proxy overhead above the bare pass-through (5.7/4.9 ms here, of 2).** Out of reach while
   the record is committed before the harness is answered (design section 5.1). The bare proxy
   does not ask for token ids; asking for them alone costs 1.6-1.7 ms here (the pass-through
   that sends the capture request and returns the engine's ~90 KB answer unparsed is that far
-  above it). The ledger is 2.6-3.1 ms above that pass-through: parsing the answer (orjson makes
-  a Python int of each of the 16k prompt ids: ~0.25 ms, and packing them ~0.1 ms), checking
-  and extracting the ids, the intent and the record (packing, hashing and deflating the ids,
-  the statements) and the WAL flush the promise waits for (~0.35 ms). Server CPU per proxied
-  call: ledger 3.6 ms, either bare proxy 1.0-1.2 ms. Parsing a continuation's prompt ids only
-  beyond the last prompt (above) took ~0.4 ms off a continuation, nothing off a root.
-- **Targets met with little margin.** The SQLite ratio was 2.50x (2.40-2.57 over the three
-  repetitions; 2.47x and 2.62x in the other runs) and the Postgres per-call growth 1.93x (2.14x
-  and 1.80x). Each repetition is 400 calls (about 0.2 s on SQLite), one long rollout and one
-  build. Of the SQLite process's CPU per call (0.44 ms), Gym's digest check is about a sixth,
-  validating the record about a seventh, packing and deflating the stored forms about a fifth,
-  the rest the statements, the commit and asyncio.
+  above it). The ledger is 2.5-4.1 ms above that pass-through over the four runs: parsing the
+  answer (a root's 16k prompt ids: ~0.25 ms), checking and extracting the ids, the intent and
+  the record (packing, hashing and deflating the ids, the statements) and the WAL flush the
+  promise waits for (~0.35 ms). Server CPU per proxied call: ledger 3.6-3.8 ms, either bare
+  proxy 1.0-1.3 ms. Parsing a continuation's prompt ids only beyond the last prompt (above)
+  took ~0.3-0.5 ms off a continuation, nothing off a root.
+- **Targets at the edge of this machine's swings.** In the run above the proxy's 16k root
+  overhead (5.3 ms, of 5) and the Postgres per-call growth (2.03x, of 2) missed; in runs 1-3
+  they were 4.1-5.0 ms and 1.80-2.14x. The SQLite ratio was 2.47x-2.62x over the four runs.
+  Each repetition is 400 calls (about 0.2 s on SQLite), one long rollout and one build. Of
+  the SQLite process's CPU per call (0.45 ms), Gym's digest check is about a sixth, validating
+  the record about a seventh, packing and deflating the stored forms about a fifth, the rest
+  the statements, the commit and asyncio.
 - **Per-call growth is Gym's digest.** The late calls of a 200-turn rollout pay the O(context)
   SHA-256 of Gym's widened digest check (about 4 us per 1,000 tokens: 0.4 ms at the last
   turns' 105k tokens, against a first-turns cost of 0.54-0.59 ms per call on Postgres). Gym's
