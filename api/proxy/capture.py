@@ -252,10 +252,13 @@ async def _call_upstream(
         reply = d.upstream_error_reply(ctx.dialect, error)
         return error_response(reply, stream=upstream.stream, handler=ctx.handler)
     # A chat answer's prompt ids: the leading ones the rollout's last prompt already had are
-    # taken from it, not parsed again (``api.proxy.known_prompts``).
+    # taken from it, not parsed again (``api.proxy.known_prompts``); the rest of the answer is
+    # then parsed on the event loop, so only when it is as short as an answer parsed there.
     known: KnownPrompts = request.app.state.known_prompts
     where = known.locate(raw) if HANDLERS[upstream.dialect].chat_answer else None
-    parsed = known.parse(ctx.rollout_id, raw, where) if where is not None else None
+    parsed = None
+    if where is not None and len(raw) - (where[1] - where[0]) <= OFFLOAD_BYTES:
+        parsed = known.parse(ctx.rollout_id, raw, where)
     try:
         if parsed is not None:
             answer = parsed.answer
@@ -468,9 +471,13 @@ def _known_prompt(
     ids = record["prompt_token_ids"]
     if answer.prompt_text is None or not isinstance(answer.body.get("prompt_token_ids"), list):
         return None
-    packed = known.packed(ids, answer.parsed)
-    if packed is not None:
-        known.remember(ctx.rollout_id, answer.prompt_text, ids, packed)
+    try:
+        packed = known.packed(ids, answer.parsed)
+        if packed is not None:
+            known.remember(ctx.rollout_id, answer.prompt_text, ids, packed)
+    except Exception:  # the cache only saves work: a bug in it must not fail the call (§4.9)
+        log.exception("prompt-id cache failed rollout=%s", ctx.rollout_id)
+        return None
     return packed
 
 
