@@ -28,7 +28,8 @@ __all__ = ["KnownPrompts", "Parsed"]
 
 # Where the engine writes a chat answer's prompt ids (vLLM: the top level of the answer).
 _KEY = b'"prompt_token_ids":['
-# A Python int per id, a list slot, the text and the packed form: what a remembered id costs.
+# A Python int per id, its list slot and its packed form, rounded up (the engine's text of the
+# ids is counted as it is): what a remembered id costs.
 _BYTES_PER_ID = 48
 
 
