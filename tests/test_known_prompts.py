@@ -4,6 +4,7 @@ is parsed whole."""
 
 from __future__ import annotations
 
+import gc
 import json
 from typing import Any
 
@@ -96,3 +97,16 @@ def test_the_cache_stays_within_its_byte_budget_oldest_first() -> None:
     assert known._bytes <= 4000
     assert parse(known, "r9", answer(list(range(11)))) is not None
     assert parse(known, "r0", answer(list(range(11)))) is None
+
+
+def test_remembered_ids_are_out_of_the_collectors_way() -> None:
+    """The cache holds up to ~1.4M ids for as long as a rollout runs: once the collector has
+    looked at them, no collection walks them again (a list of them would be walked by every
+    full collection)."""
+    known = KnownPrompts()
+    remembered(known, "r", answer(list(range(5000))))
+    gc.collect()
+    held = known._prompts["r"].ids
+    assert held == tuple(range(5000)) and not gc.is_tracked(held)
+    parsed = parse(known, "r", answer(list(range(5003))))
+    assert parsed is not None and parsed.answer["prompt_token_ids"] == list(range(5003))

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from api.app import create_app
+from api.app import YOUNG_GC_THRESHOLD, create_app
 from api.dialects import InvalidRequest
 from api.extract import (
     MalformedTokenPayload,
@@ -191,12 +191,18 @@ async def test_serve_moves_the_started_heap_out_of_the_collectors_way(tmp_path: 
     plain = create_app(settings)
     async with plain.router.lifespan_context(plain):
         assert gc.get_freeze_count() == 0  # tests and embedders: nothing frozen
+    threshold = gc.get_threshold()
     served = create_app(settings, freeze_gc=True)
     try:
         async with served.router.lifespan_context(served):
             assert gc.get_freeze_count() > 1000  # the started heap
+            # The young generation is collected less often while it serves, then as before.
+            assert gc.get_threshold() == (YOUNG_GC_THRESHOLD, *threshold[1:])
+            assert threshold[0] < YOUNG_GC_THRESHOLD
+        assert gc.get_threshold() == threshold
     finally:
         gc.unfreeze()
+        gc.set_threshold(*threshold)
 
 
 def test_the_token_count_that_sends_long_answers_to_a_worker_thread() -> None:
