@@ -237,6 +237,12 @@ def render(g: dict[str, Any], pngs: list[str]) -> str:
                 if capture is not None and own is not None
                 else ""
             )
+            vs_overhead = px.get(f"overhead_above_bare_{step}_ms")
+            if vs_overhead is not None:
+                tail += (
+                    f"; overhead {_f(vs_overhead, 1)} ms above the bare proxy's "
+                    f"({_f(bare['overhead_p50_ms'], 1)} ms against the engine sent its request)"
+                )
             prow.append(
                 [
                     f"proxy at 16k-token prompts, {step} call (n={led['samples']})",
@@ -262,7 +268,11 @@ def render(g: dict[str, Any], pngs: list[str]) -> str:
             "(about a fifth of the capture answer's bytes). The second anchor "
             "(`bareproxy --capture-body`) sends the request as the ledger does and passes the "
             "whole answer back: the distance to it is the ledger's own work (extraction, the "
-            "record, its commit). `rollout-ledger serve` on SQLite answers only after the "
+            "record, its commit). The last figure holds each proxy to the engine answering "
+            "what that proxy sends: the bare proxy's overhead is its p50 minus the engine's p50 "
+            "for the harness's own request, so the engine's longer work on a capture answer is "
+            "counted as the engine's, not as the ledger's. "
+            "`rollout-ledger serve` on SQLite answers only after the "
             "record's flush, so one fdatasync of this disk (p50 at the start of the run above) "
             "is part of its overhead by design. Server CPU per proxied call: "
             + ", ".join(f"{k} {_f(v, 1)} ms" for k, v in cpu.items() if v is not None)
