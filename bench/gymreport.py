@@ -453,6 +453,14 @@ NOTES = """## How the ingest path works now (issue 12)
   such as an infinite log-prob). A harness that asks for log-probs gets one object per
   generated token back, and deep-copying 300 of them cost ~0.8 ms of the answer path; the copy
   now costs ~0.14 ms.
+- **The collector stays out of the answer path.** `serve` freezes its started heap and
+  collects the young generation every 10,000 allocations instead of 700 (`api/app.py`): a
+  16k-token call makes a few thousand objects and holds several lists of context length while
+  it runs, and each young collection walked them (~0.15 ms, about once a call). The proxy's
+  remembered prompt ids are tuples, which the collector stops tracking after one look, so a
+  full collection no longer walks up to ~1.4M cached ids (11 ms each). In `serve` at 16k,
+  collections had cost 0.43 ms a call on average; side by side the overhead went 7.70 -> 7.46
+  ms (root) and 5.74 -> 5.33 ms (continuation), server CPU 6.4 -> 5.9 ms a call.
 - **Proxy:** orjson for the request, the upstream answer and the harness's answer; uvicorn with
   httptools; the generating POST over aiohttp (`api/upstream.py`: its C parser carries the
   engine's ~90 KB answer for ~1 ms of CPU where httpx's pure-Python stack took ~3 ms; side by
@@ -464,59 +472,56 @@ NOTES = """## How the ingest path works now (issue 12)
 
 ## What is not met, and why
 
-Figures in this section are from the run above, on an Intel Xeon with 2 vCPUs (another machine
-than the previous report's AMD EPYC; Gym's store with delta records ran at 789-817 calls/s
-here). The four full runs of the morning on this machine, in order (growth: SQLite /
-Postgres; proxy: root / continuation):
+Figures in this section are from the run above, on an AMD EPYC with 2 vCPUs, slower and
+noisier than the previous reports' machines: Gym's store with delta records ran at 604-643
+calls/s here (761-817 on the last report's Intel Xeon), and the same proxy measured alone
+minutes apart moved by 1-2 ms. Two full runs on this machine (growth: SQLite / Postgres;
+proxy: root / continuation overhead at 16k, then the latency above the bare proxy):
 
-1. the session's starting code: SQLite 2.47x (2.18-2.51), Postgres 1.58x (1.58-1.84), growth
-   1.58x / 2.14x, 200-turn builds 73 / 77 ms, proxy 4.6 / 4.0 ms (4.9 / 4.5 above bare);
-2. with the shared tip buffers: 2.62x (2.54-2.64), 1.58x (1.58-1.67), 1.81x / 1.80x, 65 / 73
-   ms, 5.0 / 4.4 ms (5.5 / 5.0 above bare);
-3. with the harness answer's cheaper copy: 2.50x (2.40-2.57), 1.71x (1.66-1.83), 1.55x /
-   1.93x, 64 / 73 ms, 4.1 / 3.6 ms (4.7 / 4.3 above bare);
-4. with the proxy's prompt-id reuse, the final code (the run above): 2.53x (2.39-2.55), 1.63x
-   (1.58-1.67), 1.48x / 2.03x, 69 / 75 ms, 5.3 / 4.4 ms (5.7 / 4.9 above bare).
+1. the last report's final code: SQLite 2.62x (2.61-2.71), Postgres 1.58x (1.28-1.68), growth
+   1.68x / 1.55x, 200-turn builds 60 / 78 ms, proxy 7.7 / 8.7 ms (9.1 / 8.5 above bare);
+2. with the collector kept out of the answer path, the final code (the run above): 2.50x
+   (2.10-2.59), 1.76x (1.74-1.97), 1.11x / 2.04x, 80 / 91 ms, 6.8 / 6.3 ms (8.0 / 8.1 above
+   bare; 4.5 / 4.0 ms overhead above the bare proxy's overhead).
 
-Runs 2 and 3 also wrote the payload digest's metadata without a `model_dump` copy, reverted
-afterwards: it saved 2 us of a record's ~440 us, not worth a second code path. The 1-minute
-load average was 0.3-0.5 in runs 1-3 and 1.3-1.6 in run 4. The proxy changes were measured
-side by side instead (`bench.proxy --before`, the two servers interleaved in one run): with
-the prompt-id reuse, 16k continuations 4.23 -> 3.72, 4.09 -> 3.70 and 4.43 -> 4.11 ms in
-three runs, roots 4.77 -> 4.92, 4.91 -> 4.75 and 5.23 -> 5.24 ms; run 4's slower proxy is this
-machine's, not the change's. The Postgres long rollout does not go through the proxy: its
-growth moved 1.80x -> 1.93x -> 2.03x on the same ledger code.
+The reports before ran on faster machines: the same targets there were SQLite 2.47x-2.62x,
+Postgres 1.58x-1.71x, proxy 4.1-5.3 ms (root) and 3.6-4.4 ms (continuation). Gym's own CPU per
+call went from 1.3-1.4 ms there to 2.1-2.2 ms here; the ledger server's CPU per proxied call
+from 3.6-3.8 ms to 5.6-6.5 ms (the bare proxies' from 1.0-1.3 ms to 1.5-1.9 ms).
 
-The ledger's CPU per call on SQLite was 0.44-0.48 ms in all four; the SQLite ratio moved with
-Gym's own speed (761-817 calls/s) and with this machine. Earlier reports' runs on the AMD
-machine swung as much between runs of the same code (SQLite 2.26x-3.17x). The ledger's
-SQLite throughput is its CPU per call on one core (the process kept the 2-vCPU machine about
-48-49% busy, where Gym's store, whose file writes run in threads, kept it 53-58% busy);
+The ledger's SQLite throughput is its CPU per call on one core (the process kept the 2-vCPU
+machine about half busy, where Gym's store, whose file writes run in threads, kept it busier);
 handing the digest check to a worker thread to use the second core cut it by ~30% instead
-(about 1,400 against 1,980 calls/s side by side: the two threads take turns on the GIL).
+(about 1,400 against 1,980 calls/s side by side on the last report's machine: the two threads
+take turns on the GIL).
 
-- **Proxy overhead above the bare pass-through (5.7/4.9 ms here, of 2).** Out of reach while
-  the record is committed before the harness is answered (design section 5.1). The bare proxy
-  does not ask for token ids; asking for them alone costs 1.6-1.7 ms here (the pass-through
-  that sends the capture request and returns the engine's ~90 KB answer unparsed is that far
-  above it). The ledger is 2.5-4.1 ms above that pass-through over the four runs: parsing the
-  answer (a root's 16k prompt ids: ~0.25 ms), checking and extracting the ids, the intent and
-  the record (packing, hashing and deflating the ids, the statements) and the WAL flush the
-  promise waits for (~0.35 ms). Server CPU per proxied call: ledger 3.6-3.8 ms, either bare
-  proxy 1.0-1.3 ms. Parsing a continuation's prompt ids only beyond the last prompt (above)
-  took ~0.3-0.5 ms off a continuation, nothing off a root.
-- **Targets at the edge of this machine's swings.** In the run above the proxy's 16k root
-  overhead (5.3 ms, of 5) and the Postgres per-call growth (2.03x, of 2) missed; in runs 1-3
-  they were 4.1-5.0 ms and 1.80-2.14x. The SQLite ratio was 2.47x-2.62x over the four runs.
-  Each repetition is 400 calls (about 0.2 s on SQLite), one long rollout and one build. Of
-  the SQLite process's CPU per call (0.45 ms), Gym's digest check is about a sixth, validating
-  the record about a seventh, packing and deflating the stored forms about a fifth, the rest
-  the statements, the commit and asyncio.
+- **Proxy overhead above the bare pass-through (8.0/8.1 ms here, of 2; 4.5/4.0 ms overhead
+  above its overhead).** Out of reach while the record is committed before the harness is
+  answered (design section 5.1). The bare proxy does not ask for token ids, and the engine
+  answers such a request sooner (here the simulated engine: 4.7 against 8.0-8.9 ms p50 at
+  16k), which the latency difference counts as the ledger's; the second figure holds each
+  proxy to the engine answering what that proxy sends. Where the ledger's time goes, p50 per
+  call measured inside `serve` at 16k on this machine (wrappers around each stage, roots and
+  continuations together): the intent 0.30 ms; parsing the engine's answer 0.79 ms;
+  extraction and its checks 0.45 ms; the record 1.58 ms, of which preparing it (packing,
+  hashing, deflating) 0.37, its statements and commit 0.33, the WAL's `fdatasync` 0.47 and
+  the two thread hand-offs around it (to a flusher thread, back to the event loop) about
+  0.2; stripping, response items and fingerprints about 0.3 ms. Each is a C-speed pass or a
+  syscall already; what any durable capture must do (commit the intent, parse and check the
+  ids, prepare and commit the record, flush) sums to more than 2 ms here before the HTTP
+  stack's own work. Server CPU per proxied call: ledger 6.5 ms, either bare proxy 1.9 ms.
+- **Targets at the edge of this machine's swings.** In the run above the proxy's 16k overhead
+  (6.8/6.3 ms, of 5) and the Postgres per-call growth (2.04x, of 2) missed; in run 1 the
+  growth was 1.55x and the proxy 7.7/8.7 ms. The SQLite ratio was 2.50x (a repetition at
+  2.10x) and 2.62x. Each repetition is 400 calls (about 0.3 s on SQLite), one long rollout
+  and one build.
 - **Per-call growth is Gym's digest.** The late calls of a 200-turn rollout pay the O(context)
   SHA-256 of Gym's widened digest check (about 4 us per 1,000 tokens: 0.4 ms at the last
   turns' 105k tokens, against a first-turns cost of 0.54-0.59 ms per call on Postgres). Gym's
   format puts the length first, so no state can be carried from the parent; checking it later
-  (at build) would move the same hashing into the build. A build's time depends on whether a
+  (at build) would move the same hashing into the build. With the first turns' cost as low
+  as it is, the ratio swings with the machine: 1.55x and 2.04x in the two runs here.
+  A build's time depends on whether a
   young-generation garbage collection lands while the projection makes each call's prompt list
   (about 10M list slots at 200 turns, 20-25 ms when it does).
 - Full-prompt records still cost O(context) per call where they arrive as a Python list of
