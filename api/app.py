@@ -160,7 +160,8 @@ def create_app(
         try:
             yield
         finally:
-            if freeze_gc:
+            if freeze_gc:  # as it was: an app served in a test leaves nothing behind
+                gc.unfreeze()
                 gc.set_threshold(*threshold)
             await app.state.upstream_post.aclose()
             await app.state.upstream.aclose()

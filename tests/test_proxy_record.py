@@ -199,7 +199,7 @@ async def test_serve_moves_the_started_heap_out_of_the_collectors_way(tmp_path: 
             # The young generation is collected less often while it serves, then as before.
             assert gc.get_threshold() == (YOUNG_GC_THRESHOLD, *threshold[1:])
             assert threshold[0] < YOUNG_GC_THRESHOLD
-        assert gc.get_threshold() == threshold
+        assert gc.get_threshold() == threshold and gc.get_freeze_count() == 0
     finally:
         gc.unfreeze()
         gc.set_threshold(*threshold)
