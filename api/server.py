@@ -203,10 +203,19 @@ def guarded_protocol(header_timeout_s: float, body_timeout_s: float) -> type[Any
     return guarded_h11(header_timeout_s, body_timeout_s)
 
 
+def uvloop_available() -> bool:
+    return importlib.util.find_spec("uvloop") is not None
+
+
 def uvicorn_options(settings: Settings) -> dict[str, Any]:
-    """Keyword arguments for ``uvicorn.run``/``uvicorn.Config`` from ``settings.server``."""
+    """Keyword arguments for ``uvicorn.run``/``uvicorn.Config`` from ``settings.server``.
+
+    The event loop is uvloop's (libuv) where it is installed (a dependency on Linux and
+    macOS): each proxied call crosses the loop a few dozen times (the harness's socket, the
+    upstream's, the group commit's hand-offs), and uvloop's are C calls."""
     server = settings.server
     return {
+        "loop": "uvloop" if uvloop_available() else "asyncio",
         "http": guarded_protocol(server.header_timeout_s, server.body_timeout_s),
         "timeout_keep_alive": server.keep_alive_s,
         "limit_concurrency": server.max_connections,

@@ -1,6 +1,6 @@
 """A bare pass-through proxy on the same stack as ``rollout-ledger serve`` (FastAPI, uvicorn with
-httptools, the proxy's own aiohttp poster for the upstream POST, orjson) and no ledger: the
-reference the proxy-overhead target is measured against.
+httptools and serve's event loop, the proxy's own aiohttp poster for the upstream POST, orjson)
+and no ledger: the reference the proxy-overhead target is measured against.
 ``python -m bench.bareproxy --port P --upstream URL`` forwards
 ``/ng-rollout/<id>/training-token-capture/<rest>`` to ``URL/<rest>`` unchanged and answers with
 the upstream's answer unchanged (no capture fields, nothing recorded).
@@ -22,6 +22,7 @@ import uvicorn
 from fastapi import FastAPI, Request, Response
 
 from api.dialects import build_chat_upstream
+from api.server import uvloop_available
 from api.upstream import AiohttpPoster
 
 
@@ -57,6 +58,7 @@ def main() -> None:
         log_level="warning",
         access_log=False,
         http="httptools",
+        loop="uvloop" if uvloop_available() else "asyncio",  # as serve's (api.server)
     )
 
 

@@ -30,7 +30,13 @@ from typer.testing import CliRunner
 
 from api import limits
 from api.app import create_app
-from api.server import guarded_h11, guarded_httptools, httptools_available, uvicorn_options
+from api.server import (
+    guarded_h11,
+    guarded_httptools,
+    httptools_available,
+    uvicorn_options,
+    uvloop_available,
+)
 from ledger.capability import MIN_SECRET_LEN, mint_capability, rollout_of_capability
 from ledger.config import Settings, load_settings, parse_tokens
 from ledger.errors import InvalidInput, InvalidRecord
@@ -484,6 +490,7 @@ def test_serve_passes_the_connection_limits_to_uvicorn() -> None:
     assert opts["limit_concurrency"] == settings.server.max_connections
     assert opts["timeout_keep_alive"] == settings.server.keep_alive_s
     assert opts["http"].header_timeout_s == settings.server.header_timeout_s
+    assert opts["loop"] == ("uvloop" if uvloop_available() else "asyncio")
     if httptools_available():  # the C parser when it is installed
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
