@@ -218,13 +218,20 @@ def _response_id(response: Mapping[str, Any]) -> str | None:
 # --------------------------------------------------------------------------- extraction
 
 
-def extract_chat_tokens(response: Mapping[str, Any]) -> TokenPayload:
-    """The tokens of a chat completion, cross-checked; raises a :class:`TokenExtractionError`."""
+def extract_chat_tokens(response: Mapping[str, Any], *, checked_prompt: int = 0) -> TokenPayload:
+    """The tokens of a chat completion, cross-checked; raises a :class:`TokenExtractionError`.
+
+    ``checked_prompt``: the first that many of the top-level ``prompt_token_ids`` are known to
+    pass the id rules already (the proxy took them from the rollout's last prompt, checked when
+    it was extracted: ``api.proxy.known_prompts``), so only the rest is checked, and the list
+    (built by that cache for this answer) is taken as it is, not copied."""
     choice = _only_choice(response)
     message = mapping_or_empty(choice.get("message"))
     payload = _resolve(
         bundle=_message_bundle(message),
-        inline=_inline_ids(response.get("prompt_token_ids"), choice.get("token_ids")),
+        inline=_inline_ids(
+            response.get("prompt_token_ids"), choice.get("token_ids"), checked_prompt
+        ),
         logprobs=_chat_logprobs(choice.get("logprobs")),
     )
     _check_usage(payload, response.get("usage"))
@@ -354,8 +361,10 @@ def _message_bundle(message: Mapping[str, Any]) -> tuple[list[int], list[int], l
     return prompt, generation, values
 
 
-def _inline_ids(prompt_value: Any, generation_value: Any) -> tuple[list[int], list[int]] | None:
-    prompt = _id_list(prompt_value, "prompt_token_ids")
+def _inline_ids(
+    prompt_value: Any, generation_value: Any, checked_prompt: int = 0
+) -> tuple[list[int], list[int]] | None:
+    prompt = _id_list(prompt_value, "prompt_token_ids", checked_prompt)
     generation = _id_list(generation_value, "token_ids")
     if prompt is None and generation is None:
         return None
@@ -445,12 +454,18 @@ def _plain_token_ids(tokens: Sequence[Any]) -> list[int] | None:
     return list(map(int, digits[1:].split("\x00")))
 
 
-def _id_list(value: Any, where: str) -> list[int] | None:
+def _id_list(value: Any, where: str, checked: int = 0) -> list[int] | None:
     if value is None:
         return None
     if not isinstance(value, list):
         raise MalformedTokenPayload(f"{where} is not a list")
     try:  # the ledger's own rules (ledger.token_rules): what ingest would refuse, so does capture
+        if 0 < checked <= len(value):
+            try:
+                check_token_ids(value[checked:], where)
+                return value
+            except ValueError:
+                pass  # refused below, with the position in the whole list
         return list(check_token_ids(value, where))
     except ValueError as exc:
         raise MalformedTokenPayload(str(exc)) from None

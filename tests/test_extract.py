@@ -279,6 +279,53 @@ def test_chat_inline_ids_are_read_and_cross_checked() -> None:
     assert not payload.needs_tokenize
 
 
+def _outcome(answer: dict[str, Any], **kw: Any) -> Any:
+    try:
+        return extract_chat_tokens(answer, **kw)
+    except TokenExtractionError as exc:
+        return (type(exc), str(exc))
+
+
+bad_ids = st.sampled_from([-1, 2**31, True, 1.5, "7", None])
+
+
+@settings(deadline=None)
+@given(
+    st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=20),
+    st.lists(st.integers(0, 2**31 - 1), max_size=20),
+    st.none() | st.tuples(st.integers(0, 20), bad_ids),
+    st.integers(0, 20),
+    st.booleans(),
+)
+def test_a_prompt_checked_up_to_its_known_prefix_reads_as_one_checked_whole(
+    known: list[int], new: list[int], bad: tuple[int, Any] | None, checked: int, beyond: bool
+) -> None:
+    """A prompt whose leading ids the proxy took from the last (already checked) prompt: only
+    the rest is checked, and the outcome is the full check's, to the wording of a refusal
+    (a bad id's position counts in the whole prompt).  The count never exceeds the known
+    prefix (the caller's promise); one beyond the whole list has it checked whole."""
+    suffix = list(new)
+    if bad is not None:
+        suffix.insert(min(bad[0], len(suffix)), bad[1])
+    prompt = [*known, *suffix]
+    checked = len(prompt) + 1 + checked if beyond else min(checked, len(known))
+    answer = vllm_chat(prompt_token_ids=prompt)
+    answer["usage"] = {**answer["usage"], "prompt_tokens": len(prompt)}
+    full = _outcome(copy.deepcopy(answer))
+    assert _outcome(answer, checked_prompt=checked) == full
+    assert isinstance(full, tuple) == (bad is not None)
+
+
+def test_a_known_prefix_prompt_is_taken_as_it_is() -> None:
+    answer = vllm_chat()
+    same = extract_chat_tokens(answer, checked_prompt=5).prompt_token_ids
+    assert same is answer["prompt_token_ids"]  # built for this answer by the cache: no copy
+    assert extract_chat_tokens(answer).prompt_token_ids is not answer["prompt_token_ids"]
+    bad = vllm_chat(prompt_token_ids=[*PROMPT_IDS[:5], -3, *PROMPT_IDS[5:]])
+    with pytest.raises(MalformedTokenPayload, match=r"prompt_token_ids\[5\] is -3"):
+        extract_chat_tokens(bad, checked_prompt=5)
+
+
 def test_completions_inline_ids_are_on_the_choice() -> None:
     payload = extract_completion_tokens(vllm_completion())
     assert payload.prompt_token_ids == [1, 4093, 198, 19556, 2, 198, 1, 520, 9531, 198]

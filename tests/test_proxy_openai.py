@@ -15,6 +15,7 @@ import httpx
 import openai
 import pytest
 
+import api.proxy.capture as capture_module
 from api.proxy.known_prompts import KnownPrompts
 from rollout_sim import Reply, SimEngine
 from tests.proxy_support import Stack, delivered, sampled_chain, start_stack
@@ -165,6 +166,14 @@ def test_a_continuations_prompt_ids_come_from_the_last_prompt_and_rebuild_exactl
         return parsed
 
     monkeypatch.setattr(KnownPrompts, "parse", counted)
+    checked: list[int] = []  # how many leading prompt ids extraction took as checked
+    extract = capture_module.extract_chat_tokens
+
+    def recorded(answer: dict[str, Any], *, checked_prompt: int = 0) -> Any:
+        checked.append(checked_prompt)
+        return extract(answer, checked_prompt=checked_prompt)
+
+    monkeypatch.setattr(capture_module, "extract_chat_tokens", recorded)
     r = rid("known")
     messages: list[dict[str, Any]] = [
         {"role": "system", "content": "You check the weather."},
@@ -182,6 +191,7 @@ def test_a_continuations_prompt_ids_come_from_the_last_prompt_and_rebuild_exactl
     assert second.choices[0].message.content == "Sunny."
     prompts = [len(answer["prompt_token_ids"]) for answer in stack.sampled]
     assert reused == prompts[:2]  # calls 2 and 3 each reused the whole last prompt
+    assert checked == [0, *reused]  # and only their new ids were checked again
     assert_exact_chain(stack, r, final.id, 3)
 
 

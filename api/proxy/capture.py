@@ -13,6 +13,7 @@ What differs by dialect comes from the call's ``DialectHandler`` (``api.proxy.ha
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import logging
@@ -408,9 +409,16 @@ async def _record(
     chat = HANDLERS[upstream.dialect].chat_answer
     strip = strip_chat_response if chat else strip_completion_response
     stripped = strip(answer, keep_logprobs=upstream.keep_logprobs)
-    extract = extract_chat_tokens if chat else extract_completion_tokens
+    # A chat answer's leading prompt ids taken from the rollout's last prompt were checked
+    # when that prompt was extracted: only the new ones are checked again.
+    reused = upstream_answer.parsed.reused if upstream_answer.parsed is not None else 0
+    extract = (
+        functools.partial(extract_chat_tokens, checked_prompt=reused)
+        if chat
+        else extract_completion_tokens
+    )
     try:
-        if _token_count(answer) > OFFLOAD_TOKENS:  # C-speed checks, but over long arrays
+        if _token_count(answer) - reused > OFFLOAD_TOKENS:  # C-speed, but over long arrays
             payload = await asyncio.to_thread(extract, answer)
         else:
             payload = extract(answer)
