@@ -263,8 +263,9 @@ def render(g: dict[str, Any], pngs: list[str]) -> str:
         add(
             "Overhead = p50 through the proxy - p50 of the same request sent directly (with the "
             "capture fields the proxy adds). The bare proxy (`bench/bareproxy.py`: FastAPI, "
-            "uvicorn with httptools, the proxy's aiohttp poster) forwards the harness's request "
-            "unchanged and records nothing, so the engine's answer it carries has no token ids "
+            "uvicorn with httptools on serve's event loop, the proxy's aiohttp poster) forwards "
+            "the harness's request unchanged and records nothing, so the engine's answer it "
+            "carries has no token ids "
             "(about a fifth of the capture answer's bytes). The second anchor "
             "(`bareproxy --capture-body`) sends the request as the ledger does and passes the "
             "whole answer back: the distance to it is the ledger's own work (extraction, the "
@@ -475,32 +476,46 @@ NOTES = """## How the ingest path works now (issue 12)
 
 ## What is not met, and why
 
-Figures in this section are from the run above, on an AMD EPYC with 2 vCPUs, slower and
-noisier than the previous reports' machines: Gym's store with delta records ran at 549-751
-calls/s here (761-817 on the last report's Intel Xeon), and the same proxy measured alone
-minutes apart moved by 1-2 ms. The full runs on this machine, in order (growth: SQLite /
-Postgres; proxy: root / continuation overhead at 16k, then the latency above the bare proxy,
-then the overhead above the bare proxy's overhead):
+Figures in this section are from the run above, on an AMD EPYC with 2 vCPUs, slower and much
+noisier than the previous reports' machines: Gym's store with delta records ran at 440-774
+calls/s here (761-817 on the last report's Intel Xeon), a single run's SQLite repetitions
+ranged from 1.86x to 3.19x, and the simulated engine alone answered a 16k capture request in
+5.4-11.0 ms p50 depending on the minute. Changes were compared side by side instead (`python
+-m bench.proxy --before <tree>`: both servers interleaved in one run); none of this report's
+changes touch the ledger's ingest path, so the spread of the ingest figures below is the
+machine's. The full runs, in order (SQLite and Postgres calls/s vs Gym's best with the range
+over repetitions; per-call growth SQLite / Postgres; 200-turn builds; proxy root /
+continuation overhead at 16k, then the latency above the bare proxy, then the overhead above
+the bare proxy's overhead; Postgres freeze + build vs Gym's):
 
-1. the last report's final code: SQLite 2.62x (2.61-2.71), Postgres 1.58x (1.28-1.68), growth
-   1.68x / 1.55x, 200-turn builds 60 / 78 ms, proxy 7.7 / 8.7 ms (9.1 / 8.5 above bare);
-2. with the collector kept out of the answer path: 2.50x (2.10-2.59), 1.76x (1.74-1.97),
-   1.11x / 2.04x, 80 / 91 ms, 6.8 / 6.3 ms (8.0 / 8.1; 4.5 / 4.0);
-3. with uvloop, the final code (10 proxy samples, as runs 1-2): 2.80x (2.20-2.88), 1.66x
-   (1.56-2.14), 1.31x / 1.25x, 88 / 91 ms, 7.7 / 5.4 ms (8.7 / 9.0; 5.8 / 4.0);
+1. the last report's final code: 2.62x (2.61-2.71), 1.58x (1.28-1.68), 1.68x / 1.55x, 60 / 78
+   ms, 7.7 / 8.7 ms (9.1 / 8.5), 0.19x;
+2. with the collector kept out of the answer path: 2.50x (2.10-2.59), 1.76x (1.74-1.97), 1.11x
+   / 2.04x, 80 / 91 ms, 6.8 / 6.3 ms (8.0 / 8.1; 4.5 / 4.0), 0.23x;
+3. with uvloop (10 proxy samples, as runs 1-2): 2.80x (2.20-2.88), 1.66x (1.56-2.14), 1.31x /
+   1.25x, 88 / 91 ms, 7.7 / 5.4 ms (8.7 / 9.0; 5.8 / 4.0), 0.23x;
 4. the same code, 30 proxy samples from here on: 2.73x (2.58-2.95), 1.67x (1.65-1.87), 1.67x /
-   1.73x, 72 / 85 ms, 5.2 / 4.4 ms (6.8 / 6.7; 3.9 / 3.3);
-5. the same code (the run above): 2.48x (1.79-2.84), 1.82x (1.12-2.21), 1.75x / 1.71x, 64 / 81
-   ms, 5.7 / 4.1 ms (7.0 / 6.1; 4.6 / 3.2).
+   1.73x, 72 / 85 ms, 5.2 / 4.4 ms (6.8 / 6.7; 3.9 / 3.3), 0.21x;
+5. the same code: 2.48x (1.79-2.84), 1.82x (1.12-2.21), 1.75x / 1.71x, 64 / 81 ms, 5.7 / 4.1
+   ms (7.0 / 6.1; 4.6 / 3.2), 0.25x;
+6. with a continuation's reused prompt ids not checked again, the final code: 2.15x
+   (2.09-3.16), 1.61x (1.34-1.97), 1.01x / 2.48x, 82 / 97 ms, 7.8 / 7.8 ms (10.3 / 10.8; 5.5 /
+   5.9), 0.25x;
+7. the same code: 2.41x (1.86-2.68), 1.55x (1.15-1.76), 0.96x / 2.13x, 114 / 84 ms, 7.2 / 6.1
+   ms (9.5 / 8.6; 5.5 / 4.2), 0.21x;
+8. the same code: 2.21x (2.13-3.19), 1.50x (1.25-2.06), 1.14x / 1.81x, 69 / 88 ms, 6.5 / 5.7
+   ms (9.0 / 9.0; 5.0 / 4.6), 0.26x;
+9. the same code, after the test suite's run (the run above): 2.43x (2.04-2.72), 1.48x
+   (1.39-1.80), 2.01x / 2.35x, 101 / 95 ms, 7.7 / 5.3 ms (10.0 / 7.8; 6.0 / 3.8), 0.23x.
 
-Postgres stored bytes are the database's growth, which moves with how full the last pages
-are: 1.21x-1.34x raw in runs 1-4, 0.93x in run 5 (0.92x-1.17x by repetition); SQLite's were
-1.25x in every run.
+Stored bytes were 1.25x raw on SQLite in every run (1.17x at 8x10); Postgres's are the
+database's growth, which moves with how full the last pages are: 1.21x-1.36x, and 0.93x in
+run 5. SQLite freeze + build was 0.14x-0.21x Gym's.
 
 The reports before ran on faster machines: the same targets there were SQLite 2.47x-2.62x,
 Postgres 1.58x-1.71x, proxy 4.1-5.3 ms (root) and 3.6-4.4 ms (continuation). Gym's own CPU per
 call went from 1.3-1.4 ms there to 2.1-2.2 ms here; the ledger server's CPU per proxied call
-from 3.6-3.8 ms to 4.5-6.5 ms (the bare proxies' from 1.0-1.3 ms to 1.1-1.9 ms).
+from 3.6-3.8 ms to 4.5-7.1 ms (the bare proxies' from 1.0-1.3 ms to 1.1-2.4 ms).
 
 The ledger's SQLite throughput is its CPU per call on one core (the process kept the 2-vCPU
 machine about half busy, where Gym's store, whose file writes run in threads, kept it busier);
@@ -508,35 +523,37 @@ handing the digest check to a worker thread to use the second core cut it by ~30
 (about 1,400 against 1,980 calls/s side by side on the last report's machine: the two threads
 take turns on the GIL).
 
-- **Proxy overhead above the bare pass-through (7.0/6.1 ms here, of 2; 4.6/3.2 ms overhead above
-  its overhead).** Out of reach while the record is committed before the harness is answered
-  (design section 5.1). The bare proxy does not ask for token ids, and the engine answers such a
-  request sooner (here the simulated engine: 2.8-3.0 against 5.4-5.7 ms p50 at 16k in the run
-  above), which the latency difference counts as the ledger's; the second figure holds each
-  proxy to the engine answering what that proxy sends. Where the ledger's time goes, p50 per
-  call measured inside `serve` at 16k on this machine (wrappers around each stage, roots and
-  continuations together): the intent 0.30 ms; parsing the engine's answer 0.79 ms; extraction
-  and its checks 0.45 ms; the record 1.58 ms, of which preparing it (packing, hashing,
-  deflating) 0.37, its statements and commit 0.33, the WAL's `fdatasync` 0.47 and the two thread
-  hand-offs around it (to a flusher thread, back to the event loop) about 0.2; stripping,
-  response items and fingerprints about 0.3 ms. Each is a C-speed pass or a syscall already;
-  what any durable capture must do (commit the intent, parse and check the ids, prepare and
-  commit the record, flush) sums to more than 2 ms here before the HTTP stack's own work. Server
-  CPU per proxied call in the run above: ledger 4.5 ms, the bare proxies 1.1 and 1.4 ms.
-- **Targets at the edge of this machine's swings.** The proxy's 16k root overhead was 5.2-7.7 ms
-  over the five runs, above 5 in each; continuations 4.1-8.7 ms, within 5 in runs 4 and 5 (30
-  samples); the SQLite ratio 2.48x-2.80x (one repetition at 1.79x), the Postgres per-call growth
-  1.25x-2.04x. Each repetition is 400 calls (about 0.3 s on SQLite), one long rollout and one
-  build. A root costs about 1 ms more than a continuation at 16k: its whole prompt is parsed,
-  checked, packed, hashed, deflated and flushed, and its intent creates the rollout.
+- **Proxy overhead above the bare pass-through (10.0/7.8 ms here, of 2; 6.0/3.8 ms overhead
+  above its overhead).** Out of reach while the record is committed before the harness is
+  answered (design section 5.1). The bare proxy does not ask for token ids, and the engine
+  answers such a request sooner (here the simulated engine: 4.7-4.9 against 8.7-8.9 ms p50 at
+  16k in the run above), which the latency difference counts as the ledger's; the second figure
+  holds each proxy to the engine answering what that proxy sends. Where the ledger's time goes,
+  p50 per call measured inside `serve` at 16k on this machine (wrappers around each stage, roots
+  and continuations together): the intent 0.30 ms; parsing the engine's answer 0.79 ms;
+  extraction and its checks 0.45 ms; the record 1.58 ms, of which preparing it (packing,
+  hashing, deflating) 0.37, its statements and commit 0.33, the WAL's `fdatasync` 0.47 and the
+  two thread hand-offs around it (to a flusher thread, back to the event loop) about 0.2;
+  stripping, response items and fingerprints about 0.3 ms. Each is a C-speed pass or a syscall
+  already; what any durable capture must do (commit the intent, parse and check the ids, prepare
+  and commit the record, flush) sums to more than 2 ms here before the HTTP stack's own work.
+  Server CPU per proxied call in the run above: ledger 6.1 ms, the bare proxies 1.7 and 1.8 ms.
+- **Targets at the edge of this machine's swings.** The proxy's 16k root overhead was 5.2-7.8 ms
+  over the nine runs, above 5 in each; continuations 4.1-8.7 ms, within 5 in runs 4 and 5; the
+  SQLite ratio 2.15x-2.80x, the Postgres ratio 1.48x-1.82x, the Postgres per-call growth
+  1.25x-2.48x (SQLite's 0.96x-2.01x), the SQLite 200-turn build 60-114 ms, Postgres freeze +
+  build 0.19x-0.26x Gym's. Each repetition is 400 calls (about 0.3 s on SQLite), one long
+  rollout and one build. A root costs about 1 ms more than a continuation at 16k: its whole
+  prompt is parsed, checked, packed, hashed, deflated and flushed, and its intent creates the
+  rollout.
 - **Per-call growth is Gym's digest.** The late calls of a 200-turn rollout pay the O(context)
-  SHA-256 of Gym's widened digest check (about 4 us per 1,000 tokens: 0.4 ms at the last
-  turns' 105k tokens, against a first-turns cost of 0.54-0.59 ms per call on Postgres). Gym's
-  format puts the length first, so no state can be carried from the parent; checking it later
-  (at build) would move the same hashing into the build. With the first turns' cost as low
-  as it is, the ratio swings with the machine: 1.25x-2.04x over the five runs here. A build's
-  time depends on whether a young-generation garbage collection lands while the projection
-  makes each call's prompt list (about 10M list slots at 200 turns, 20-25 ms when it does).
+  SHA-256 of Gym's widened digest check (about 4 us per 1,000 tokens: 0.4 ms at the last turns'
+  105k tokens, against a first-turns cost of 0.54-0.59 ms per call on Postgres). Gym's format
+  puts the length first, so no state can be carried from the parent; checking it later (at
+  build) would move the same hashing into the build. With the first turns' cost as low as it is,
+  the ratio swings with the machine: 1.25x-2.48x over the nine runs here. A build's time depends
+  on whether a young-generation garbage collection lands while the projection makes each call's
+  prompt list (about 10M list slots at 200 turns, 20-25 ms when it does).
 - Full-prompt records still cost O(context) per call where they arrive as a Python list of
   every prompt id (Gym's with delta records off, a proxied root): checking and packing it are
   C-speed passes over the whole prompt. A proxied continuation still builds the list of its
