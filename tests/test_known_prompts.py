@@ -40,7 +40,7 @@ def remembered(known: KnownPrompts, rid: str, raw: bytes) -> None:
 
 def parse(known: KnownPrompts, rid: str, raw: bytes) -> Any:
     where = known.locate(raw)
-    return None if where is None else known.parse(rid, raw, where)
+    return None if where is None else known.parse(rid, raw, where, raw[where[0] : where[1]])
 
 
 @settings(suppress_health_check=[HealthCheck.too_slow], deadline=None)

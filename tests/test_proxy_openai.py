@@ -159,8 +159,8 @@ def test_a_continuations_prompt_ids_come_from_the_last_prompt_and_rebuild_exactl
     reused: list[int] = []
     parse = KnownPrompts.parse
 
-    def counted(self: KnownPrompts, rollout_id: str, raw: bytes, where: Any) -> Any:
-        parsed = parse(self, rollout_id, raw, where)
+    def counted(self: KnownPrompts, rollout_id: str, raw: bytes, where: Any, text: bytes) -> Any:
+        parsed = parse(self, rollout_id, raw, where, text)
         if parsed is not None and rollout_id == r:
             reused.append(parsed.reused)
         return parsed

@@ -257,9 +257,12 @@ async def _call_upstream(
     # then parsed on the event loop, so only when it is as short as an answer parsed there.
     known: KnownPrompts = request.app.state.known_prompts
     where = known.locate(raw) if HANDLERS[upstream.dialect].chat_answer else None
+    prompt_text = None
     parsed = None
-    if where is not None and len(raw) - (where[1] - where[0]) <= OFFLOAD_BYTES:
-        parsed = known.parse(ctx.rollout_id, raw, where)
+    if where is not None:
+        prompt_text = raw[where[0] : where[1]]
+        if len(raw) - len(prompt_text) <= OFFLOAD_BYTES:
+            parsed = known.parse(ctx.rollout_id, raw, where, prompt_text)
     try:
         if parsed is not None:
             answer = parsed.answer
@@ -273,7 +276,7 @@ async def _call_upstream(
         metrics.upstream_errors.labels("bad_json").inc()
         await _settle(ledger, ctx, "malformed_token_payload", f"upstream answer is not JSON: {exc}")
         return unreadable_answer(ctx.handler, upstream, "not a JSON object")
-    return _Answer(answer, raw[where[0] : where[1]] if where is not None else None, parsed)
+    return _Answer(answer, prompt_text, parsed)
 
 
 async def _post_upstream(

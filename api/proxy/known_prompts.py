@@ -70,15 +70,17 @@ class KnownPrompts:
         end = raw.find(b"]", first)
         return (first, end) if end >= 0 else None
 
-    def parse(self, rollout_id: str, raw: bytes, where: tuple[int, int]) -> Parsed | None:
-        """``raw`` parsed with its prompt ids (at ``where``, from :meth:`locate`) taken from the
-        rollout's last prompt where they extend it; None when they do not, or when the answer
-        does not carry them at its top level (the caller parses ``raw`` whole)."""
+    def parse(
+        self, rollout_id: str, raw: bytes, where: tuple[int, int], text: bytes
+    ) -> Parsed | None:
+        """``raw`` parsed with its prompt ids (``text``, at ``where``, from :meth:`locate`)
+        taken from the rollout's last prompt where they extend it; None when they do not, or
+        when the answer does not carry them at its top level (the caller parses ``raw``
+        whole)."""
         known = self._prompts.get(rollout_id)
         if known is None:
             return None
         first, end = where
-        text = raw[first:end]
         if not text.startswith(known.text):
             return None
         rest = text[len(known.text) :]
