@@ -506,10 +506,20 @@ the bare proxy's overhead; Postgres freeze + build vs Gym's):
 8. the same code: 2.21x (2.13-3.19), 1.50x (1.25-2.06), 1.14x / 1.81x, 69 / 88 ms, 6.5 / 5.7
    ms (9.0 / 9.0; 5.0 / 4.6), 0.26x;
 9. the same code, after the test suite's run (the run above): 2.43x (2.04-2.72), 1.48x
-   (1.39-1.80), 2.01x / 2.35x, 101 / 95 ms, 7.7 / 5.3 ms (10.0 / 7.8; 6.0 / 3.8), 0.23x.
+   (1.39-1.80), 2.01x / 2.35x, 101 / 95 ms, 7.7 / 5.3 ms (10.0 / 7.8; 6.0 / 3.8), 0.23x;
+
+and in a later session on the same kind of machine, the same code again (nothing in `ledger/`
+or `api/` changed after run 9):
+
+10. 2.56x (2.29-2.63), 1.62x (1.47-1.98), 1.16x / 1.60x, 124 / 81 ms, 4.9 / 3.9 ms (6.6 / 6.5;
+    3.6 / 2.9), 0.16x;
+11. 2.23x (2.21-2.51), 1.76x (1.59-1.86), 1.25x / 1.70x, 79 / 101 ms, 6.9 / 5.2 ms (9.1 / 8.0;
+    5.2 / 3.4), 0.21x;
+12. 2.66x (2.55-2.83), 1.73x (1.51-1.90), 1.41x / 1.52x, 75 / 106 ms, 6.8 / 5.7 ms (7.3 / 7.2;
+    4.9 / 4.4), 0.18x.
 
 Stored bytes were 1.25x raw on SQLite in every run (1.17x at 8x10); Postgres's are the
-database's growth, which moves with how full the last pages are: 1.21x-1.36x, and 0.93x in
+database's growth, which moves with how full the last pages are: 1.15x-1.36x, and 0.93x in
 run 5. SQLite freeze + build was 0.14x-0.21x Gym's.
 
 The reports before ran on faster machines: the same targets there were SQLite 2.47x-2.62x,
@@ -538,28 +548,40 @@ take turns on the GIL).
   already; what any durable capture must do (commit the intent, parse and check the ids, prepare
   and commit the record, flush) sums to more than 2 ms here before the HTTP stack's own work.
   Server CPU per proxied call in the run above: ledger 6.1 ms, the bare proxies 1.7 and 1.8 ms.
-- **Targets at the edge of this machine's swings.** The proxy's 16k root overhead was 5.2-7.8 ms
-  over the nine runs, above 5 in each; continuations 4.1-8.7 ms, within 5 in runs 4 and 5; the
-  SQLite ratio 2.15x-2.80x, the Postgres ratio 1.48x-1.82x, the Postgres per-call growth
-  1.25x-2.48x (SQLite's 0.96x-2.01x), the SQLite 200-turn build 60-114 ms, Postgres freeze +
-  build 0.19x-0.26x Gym's. Each repetition is 400 calls (about 0.3 s on SQLite), one long
-  rollout and one build. A root costs about 1 ms more than a continuation at 16k: its whole
-  prompt is parsed, checked, packed, hashed, deflated and flushed, and its intent creates the
-  rollout.
+- **Targets at the edge of this machine's swings.** The proxy's 16k root overhead was 4.9-7.8 ms
+  over the twelve runs, within 5 only in run 10; continuations 3.9-8.7 ms, within 5 in runs 4,
+  5 and 10; the SQLite ratio 2.15x-2.80x, the Postgres ratio 1.48x-1.82x, the Postgres
+  per-call growth 1.25x-2.48x (SQLite's 0.96x-2.01x), the 200-turn builds 60-124 ms on SQLite
+  and 78-106 ms on Postgres, Postgres freeze + build 0.16x-0.26x Gym's. Each repetition is
+  400 calls (about 0.3 s on SQLite), one long rollout and one build. A root costs about 1 ms
+  more than a continuation at 16k: its whole prompt is parsed, checked, packed, hashed,
+  deflated and flushed, and its intent creates the rollout.
 - **Per-call growth is Gym's digest.** The late calls of a 200-turn rollout pay the O(context)
   SHA-256 of Gym's widened digest check (about 4 us per 1,000 tokens: 0.4 ms at the last turns'
   105k tokens, against a first-turns cost of 0.54-0.59 ms per call on Postgres). Gym's format
   puts the length first, so no state can be carried from the parent; checking it later (at
   build) would move the same hashing into the build. With the first turns' cost as low as it is,
-  the ratio swings with the machine: 1.25x-2.48x over the nine runs here. A build's time depends
+  the ratio swings with the machine: 1.25x-2.48x over the twelve runs here. A build's time depends
   on whether a young-generation garbage collection lands while the projection makes each call's
-  prompt list (about 10M list slots at 200 turns, 20-25 ms when it does).
+  prompt list (about 10M list slots at 200 turns, 20-25 ms when it does). Making those lists
+  (each carrier holds its own, as the release's output has it) is itself 36-42 ms of a 75-124 ms
+  SQLite build here, with or without the collector; reading the chain and replaying it
+  (inflating, the running digest) 15-20 ms more.
 - Full-prompt records still cost O(context) per call where they arrive as a Python list of
   every prompt id (Gym's with delta records off, a proxied root): checking and packing it are
   C-speed passes over the whole prompt. A proxied continuation still builds the list of its
   whole prompt (the reused ids and the new) and keeps it as a tuple for the next call, ~0.04
   ms at 16k; checking only its new ids took 4.42 -> 4.20 ms off a 16k continuation and 5.45 ->
   4.65 ms off a 60k one (side by side, server CPU 4.6 -> 4.4 and 6.7 -> 6.3 ms a call).
+- Measured in the later session and not kept: a checkpointer thread (SQLite's automatic
+  checkpoint off on the writer's connection, a `PASSIVE` checkpoint on a connection of its own
+  whenever 1,000 WAL frames wait): SQLite calls/s unchanged (0.99x, median of 12 alternating
+  pairs), while the checkpoint's 8 MB of writes and its flush then delay the calls' WAL flushes
+  instead (one call of 33 ms in a 240-call run at 16k), so the checkpoint stays in the commit
+  that fills the WAL; preparing every delta record above 4,000 tokens in a worker thread
+  (0.76x); a route around the HTTP stack for the capture path (the app's middleware, routing
+  and FastAPI's handler cost 77 us a call in process, the handler alone 9 us); dropping the
+  `PRAGMA busy_timeout` pair around the event loop's `BEGIN IMMEDIATE` (about 5 us a batch).
 """
 
 
