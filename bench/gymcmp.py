@@ -557,7 +557,10 @@ def _ratios(reps: list[dict[str, Any]], backends: list[str]) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.gymcmp", description=__doc__)
-    ap.add_argument("--reps", type=int, default=3)
+    # Five: a repetition's ingest is 400 calls (under half a second on the ledger's side), and on
+    # a shared 2-vCPU machine one slow second moves a repetition's ratio by a third; the median
+    # of three moved with it from run to run.
+    ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--rollouts", type=int, default=8)
     ap.add_argument("--turns", type=int, default=50)
     ap.add_argument("--long-turns", type=int, default=200, help="0 skips the long rollout")
