@@ -476,17 +476,17 @@ NOTES = """## How the ingest path works now (issue 12)
 
 ## What is not met, and why
 
-Figures in this section are from the run above, on an AMD EPYC with 2 vCPUs, slower and much
+Figures in this section are from runs on AMD EPYC machines with 2 vCPUs, slower and much
 noisier than the previous reports' machines: Gym's store with delta records ran at 440-774
 calls/s here (761-817 on the last report's Intel Xeon), a single run's SQLite repetitions
 ranged from 1.86x to 3.19x, and the simulated engine alone answered a 16k capture request in
 5.4-11.0 ms p50 depending on the minute. Changes were compared side by side instead (`python
--m bench.proxy --before <tree>`: both servers interleaved in one run); none of this report's
-changes touch the ledger's ingest path, so the spread of the ingest figures below is the
-machine's. The full runs, in order (SQLite and Postgres calls/s vs Gym's best with the range
-over repetitions; per-call growth SQLite / Postgres; 200-turn builds; proxy root /
-continuation overhead at 16k, then the latency above the bare proxy, then the overhead above
-the bare proxy's overhead; Postgres freeze + build vs Gym's):
+-m bench.proxy --before <tree>`: both servers interleaved in one run); nothing in `ledger/` or
+`api/` changed after run 9, so the spread of the later runs is the machine's. The full runs,
+in order (SQLite and Postgres calls/s vs Gym's best with the range over repetitions; per-call
+growth SQLite / Postgres; 200-turn builds; proxy root / continuation overhead at 16k, then the
+latency above the bare proxy, then the overhead above the bare proxy's overhead; Postgres
+freeze + build vs Gym's):
 
 1. the last report's final code: 2.62x (2.61-2.71), 1.58x (1.28-1.68), 1.68x / 1.55x, 60 / 78
    ms, 7.7 / 8.7 ms (9.1 / 8.5), 0.19x;
@@ -505,7 +505,7 @@ the bare proxy's overhead; Postgres freeze + build vs Gym's):
    ms (9.5 / 8.6; 5.5 / 4.2), 0.21x;
 8. the same code: 2.21x (2.13-3.19), 1.50x (1.25-2.06), 1.14x / 1.81x, 69 / 88 ms, 6.5 / 5.7
    ms (9.0 / 9.0; 5.0 / 4.6), 0.26x;
-9. the same code, after the test suite's run (the run above): 2.43x (2.04-2.72), 1.48x
+9. the same code, after the test suite's run: 2.43x (2.04-2.72), 1.48x
    (1.39-1.80), 2.01x / 2.35x, 101 / 95 ms, 7.7 / 5.3 ms (10.0 / 7.8; 6.0 / 3.8), 0.23x;
 
 and in a later session on the same kind of machine, the same code again (nothing in `ledger/`
@@ -516,7 +516,15 @@ or `api/` changed after run 9):
 11. 2.23x (2.21-2.51), 1.76x (1.59-1.86), 1.25x / 1.70x, 79 / 101 ms, 6.9 / 5.2 ms (9.1 / 8.0;
     5.2 / 3.4), 0.21x;
 12. 2.66x (2.55-2.83), 1.73x (1.51-1.90), 1.41x / 1.52x, 75 / 106 ms, 6.8 / 5.7 ms (7.3 / 7.2;
-    4.9 / 4.4), 0.18x.
+    4.9 / 4.4), 0.18x;
+
+and in a third session, the same code again:
+
+13. 2.47x (2.20-2.93), 1.46x (1.42-1.76), 1.21x / 1.65x, 57 / 68 ms, 4.6 / 4.4 ms (6.5 / 6.3;
+    3.4 / 3.2), 0.20x;
+14. five repetitions by default from here on (the run above; its record says "dirty" because
+    the new default was not yet committed): 2.72x (2.43-3.03), 1.70x (1.29-2.29), 1.33x /
+    1.78x, 61 / 80 ms, 5.1 / 4.5 ms (6.6 / 6.8; 3.7 / 3.6), 0.15x.
 
 Stored bytes were 1.25x raw on SQLite in every run (1.17x at 8x10); Postgres's are the
 database's growth, which moves with how full the last pages are: 1.15x-1.36x, and 0.93x in
@@ -533,13 +541,13 @@ handing the digest check to a worker thread to use the second core cut it by ~30
 (about 1,400 against 1,980 calls/s side by side on the last report's machine: the two threads
 take turns on the GIL).
 
-- **Proxy overhead above the bare pass-through (10.0/7.8 ms here, of 2; 6.0/3.8 ms overhead
-  above its overhead).** Out of reach while the record is committed before the harness is
-  answered (design section 5.1). The bare proxy does not ask for token ids, and the engine
-  answers such a request sooner (here the simulated engine: 4.7-4.9 against 8.7-8.9 ms p50 at
-  16k in the run above), which the latency difference counts as the ledger's; the second figure
-  holds each proxy to the engine answering what that proxy sends. Where the ledger's time goes,
-  p50 per call measured inside `serve` at 16k on this machine (wrappers around each stage, roots
+- **Proxy overhead above the bare pass-through (6.6-10.3 ms over the runs, of 2; 2.9-6.0 ms
+  overhead above its overhead).** Out of reach while the record is committed before the
+  harness is answered (design section 5.2). The bare proxy does not ask for token ids, and the
+  engine answers such a request sooner (the simulated engine in run 9: 4.7-4.9 against 8.7-8.9
+  ms p50 at 16k), which the latency difference counts as the ledger's; the second figure holds
+  each proxy to the engine answering what that proxy sends. Where the ledger's time goes, p50
+  per call measured inside `serve` at 16k on this machine (wrappers around each stage, roots
   and continuations together): the intent 0.30 ms; parsing the engine's answer 0.79 ms;
   extraction and its checks 0.45 ms; the record 1.58 ms, of which preparing it (packing,
   hashing, deflating) 0.37, its statements and commit 0.33, the WAL's `fdatasync` 0.47 and the
@@ -547,24 +555,25 @@ take turns on the GIL).
   stripping, response items and fingerprints about 0.3 ms. Each is a C-speed pass or a syscall
   already; what any durable capture must do (commit the intent, parse and check the ids, prepare
   and commit the record, flush) sums to more than 2 ms here before the HTTP stack's own work.
-  Server CPU per proxied call in the run above: ledger 6.1 ms, the bare proxies 1.7 and 1.8 ms.
-- **Targets at the edge of this machine's swings.** The proxy's 16k root overhead was 4.9-7.8 ms
-  over the twelve runs, within 5 only in run 10; continuations 3.9-8.7 ms, within 5 in runs 4,
-  5 and 10; the SQLite ratio 2.15x-2.80x, the Postgres ratio 1.48x-1.82x, the Postgres
-  per-call growth 1.25x-2.48x (SQLite's 0.96x-2.01x), the 200-turn builds 60-124 ms on SQLite
-  and 78-106 ms on Postgres, Postgres freeze + build 0.16x-0.26x Gym's. Each repetition is
-  400 calls (about 0.3 s on SQLite), one long rollout and one build. A root costs about 1 ms
-  more than a continuation at 16k: its whole prompt is parsed, checked, packed, hashed,
-  deflated and flushed, and its intent creates the rollout.
+  Server CPU per proxied call in run 9: ledger 6.1 ms, the bare proxies 1.7 and 1.8 ms (run
+  14: 4.4, 1.1 and 1.2 ms).
+- **Targets at the edge of this machine's swings.** The proxy's 16k root overhead was 4.6-7.8 ms
+  over the fourteen runs, within 5 only in runs 10 and 13; continuations 3.9-8.7 ms, within 5
+  in runs 4, 5, 10, 13 and 14; the SQLite ratio 2.15x-2.80x, the Postgres ratio 1.46x-1.82x,
+  the Postgres per-call growth 1.25x-2.48x (SQLite's 0.96x-2.01x), the 200-turn builds 57-124
+  ms on SQLite and 68-106 ms on Postgres, Postgres freeze + build 0.15x-0.26x Gym's. Each
+  repetition is 400 calls (about 0.3 s on SQLite), one long rollout and one build. A root
+  costs about 1 ms more than a continuation at 16k: its whole prompt is parsed, checked,
+  packed, hashed, deflated and flushed, and its intent creates the rollout.
 - **Per-call growth is Gym's digest.** The late calls of a 200-turn rollout pay the O(context)
   SHA-256 of Gym's widened digest check (about 4 us per 1,000 tokens: 0.4 ms at the last turns'
   105k tokens, against a first-turns cost of 0.54-0.59 ms per call on Postgres). Gym's format
   puts the length first, so no state can be carried from the parent; checking it later (at
   build) would move the same hashing into the build. With the first turns' cost as low as it is,
-  the ratio swings with the machine: 1.25x-2.48x over the twelve runs here. A build's time depends
+  the ratio swings with the machine: 1.25x-2.48x over the fourteen runs here. A build's time depends
   on whether a young-generation garbage collection lands while the projection makes each call's
   prompt list (about 10M list slots at 200 turns, 20-25 ms when it does). Making those lists
-  (each carrier holds its own, as the release's output has it) is itself 36-42 ms of a 75-124 ms
+  (each carrier holds its own, as the release's output has it) is itself 36-42 ms of a 57-124 ms
   SQLite build here, with or without the collector; reading the chain and replaying it
   (inflating, the running digest) 15-20 ms more.
 - Full-prompt records still cost O(context) per call where they arrive as a Python list of
@@ -582,6 +591,30 @@ take turns on the GIL).
   (0.76x); a route around the HTTP stack for the capture path (the app's middleware, routing
   and FastAPI's handler cost 77 us a call in process, the handler alone 9 us); dropping the
   `PRAGMA busy_timeout` pair around the event loop's `BEGIN IMMEDIATE` (about 5 us a batch).
+- **Postgres ingest fills both vCPUs.** During the timed 8x50 drive, the ledger's process spends
+  0.5-0.8 ms of CPU per call and the Postgres backends 0.5-0.75 ms more (their CPU summed over
+  the drive while the ledger's connections were open); with the kernel's share (loopback,
+  WAL flushes) the machine spends 1.2-1.8 ms of its two vCPUs per call, so 1,000-1,450 calls/s
+  is about all of it. The Postgres ratio moves with whatever else the machine runs.
+  `plan_cache_mode=force_generic_plan` on the hot path's connections changed nothing measurable
+  (backend CPU 0.48-0.70 against 0.50-0.75 ms per call).
+- **Inside `serve`, everything costs about three times what it costs alone.** The intent's
+  transaction on the event loop takes 0.29 ms p50 in `serve` at 16k (`BEGIN IMMEDIATE` with
+  its `busy_timeout` pair 0.08, its two statements 0.09, `COMMIT` about 0.1); the same
+  statements on a plain `sqlite3` connection take 0.09 ms (0.013, 0.03, 0.04), and
+  `begin_call` through the ledger in one process 0.10-0.12 ms. The engine, the proxy and the
+  benchmark's client take turns on two vCPUs, and every wake-up starts with cold caches. The
+  bare proxies pay the same, on far less work.
+- **WAL per call.** At 16k with 8 KiB pages an intent writes 4 WAL frames (7 for a root, whose
+  intent creates the rollout) and a record 9-12: about 110 KB of WAL for about 2 KB of new
+  tokens, because both commits write the call's row and its index entries. Fewer bytes would
+  save little time: `fdatasync` here took 0.23-0.32 ms p50 for any write from 8 to 256 KB.
+- Measured in the third session and not kept: flushing the WAL on the event loop itself when
+  no flush is in flight (no hand-off to a flusher thread and back). Three side-by-side runs at
+  16k: root -0.29, -0.17 and -0.21 ms; continuation -0.26, +0.13 and -0.73 ms. But the loop
+  would stop for every flush (0.25-0.6 ms), so calls arriving meanwhile would lose the
+  pipelined flush. Also not kept: one shared int object per token id value for the build's
+  prompt lists, which saved nothing (200 slices of a 105k-token list: 32-38 ms either way).
 """
 
 
