@@ -508,8 +508,7 @@ freeze + build vs Gym's):
 9. the same code, after the test suite's run: 2.43x (2.04-2.72), 1.48x
    (1.39-1.80), 2.01x / 2.35x, 101 / 95 ms, 7.7 / 5.3 ms (10.0 / 7.8; 6.0 / 3.8), 0.23x;
 
-and in a later session on the same kind of machine, the same code again (nothing in `ledger/`
-or `api/` changed after run 9):
+and in a later session on the same kind of machine, the same code again:
 
 10. 2.56x (2.29-2.63), 1.62x (1.47-1.98), 1.16x / 1.60x, 124 / 81 ms, 4.9 / 3.9 ms (6.6 / 6.5;
     3.6 / 2.9), 0.16x;
@@ -528,7 +527,7 @@ and in a third session, the same code again:
 
 Stored bytes were 1.25x raw on SQLite in every run (1.17x at 8x10); Postgres's are the
 database's growth, which moves with how full the last pages are: 1.15x-1.36x, and 0.93x in
-run 5. SQLite freeze + build was 0.14x-0.21x Gym's.
+run 5. SQLite freeze + build was 0.11x-0.21x Gym's.
 
 The reports before ran on faster machines: the same targets there were SQLite 2.47x-2.62x,
 Postgres 1.58x-1.71x, proxy 4.1-5.3 ms (root) and 3.6-4.4 ms (continuation). Gym's own CPU per
