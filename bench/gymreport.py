@@ -601,9 +601,19 @@ take turns on the GIL).
   transaction on the event loop takes 0.29 ms p50 in `serve` at 16k (`BEGIN IMMEDIATE` with
   its `busy_timeout` pair 0.08, its two statements 0.09, `COMMIT` about 0.1); the same
   statements on a plain `sqlite3` connection take 0.09 ms (0.013, 0.03, 0.04), and
-  `begin_call` through the ledger in one process 0.10-0.12 ms. The engine, the proxy and the
-  benchmark's client take turns on two vCPUs, and every wake-up starts with cold caches. The
-  bare proxies pay the same, on far less work.
+  `begin_call` through the ledger in one process 0.10-0.12 ms. What makes the difference is
+  the time since the code last ran, not `serve` (`python -m bench.warmth`, twelfth session,
+  p50 of 200 calls, median of 3 alternating rounds): `begin_call` 0.15 ms back to back, 0.22-0.26
+  after a 1 ms gap, 0.62-0.70 after 4 or 10 ms; a plain `sqlite3` transaction (`BEGIN
+  IMMEDIATE`, one read, one insert, `COMMIT`) 0.028 ms back to back, 0.24-0.28 after 4-10 ms
+  (9-10x); `orjson.loads` of 16,000 ids 0.39 against 0.47-0.49 ms (1.2x). The gap costs the same
+  whether the thread sleeps or spins in a tight loop, and it stops growing at about 4 ms: on
+  this shared virtual machine, code that chases pointers through a large footprint (SQLite,
+  the interpreter's paths through the ledger) starts cold after every few milliseconds,
+  busy or not, while a streaming C pass barely notices. A proxied call runs its ledger work in
+  bursts between waits (the intent; after the engine's milliseconds, the record; after the
+  flush, the answer), so each burst pays that start. The bare proxies pay it too, on far less
+  work.
 - **WAL per call.** At 16k with 8 KiB pages an intent writes 4 WAL frames (7 for a root, whose
   intent creates the rollout) and a record 9-12: about 110 KB of WAL for about 2 KB of new
   tokens, because both commits write the call's row and its index entries. Fewer bytes would
