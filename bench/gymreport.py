@@ -523,10 +523,15 @@ and in a third session, the same code again:
     3.4 / 3.2), 0.20x;
 14. five repetitions by default from here on (the run above; its record says "dirty" because
     the new default was not yet committed): 2.72x (2.43-3.03), 1.70x (1.29-2.29), 1.33x /
-    1.78x, 61 / 80 ms, 5.1 / 4.5 ms (6.6 / 6.8; 3.7 / 3.6), 0.15x.
+    1.78x, 61 / 80 ms, 5.1 / 4.5 ms (6.6 / 6.8; 3.7 / 3.6), 0.15x;
+
+and in a fourth session, the same code again:
+
+15. 2.70x (2.08-2.87), 1.71x (1.44-2.24), 1.13x / 1.77x, 72 / 83 ms, 6.0 / 5.8 ms (8.4 / 9.3;
+    3.9 / 4.6), 0.17x.
 
 Stored bytes were 1.25x raw on SQLite in every run (1.17x at 8x10); Postgres's are the
-database's growth, which moves with how full the last pages are: 1.15x-1.36x, and 0.93x in
+database's growth, which moves with how full the last pages are: 1.15x-1.40x, and 0.93x in
 run 5. SQLite freeze + build was 0.11x-0.21x Gym's.
 
 The reports before ran on faster machines: the same targets there were SQLite 2.47x-2.62x,
@@ -555,9 +560,9 @@ take turns on the GIL).
   already; what any durable capture must do (commit the intent, parse and check the ids, prepare
   and commit the record, flush) sums to more than 2 ms here before the HTTP stack's own work.
   Server CPU per proxied call in run 9: ledger 6.1 ms, the bare proxies 1.7 and 1.8 ms (run
-  14: 4.4, 1.1 and 1.2 ms).
+  14: 4.4, 1.1 and 1.2 ms; run 15: 5.8, 1.7 and 1.8 ms).
 - **Targets at the edge of this machine's swings.** The proxy's 16k root overhead was 4.6-7.8 ms
-  over the fourteen runs, within 5 only in runs 10 and 13; continuations 3.9-8.7 ms, within 5
+  over the fifteen runs, within 5 only in runs 10 and 13; continuations 3.9-8.7 ms, within 5
   in runs 4, 5, 10, 13 and 14; the SQLite ratio 2.15x-2.80x, the Postgres ratio 1.46x-1.82x,
   the Postgres per-call growth 1.25x-2.48x (SQLite's 0.96x-2.01x), the 200-turn builds 57-124
   ms on SQLite and 68-106 ms on Postgres, Postgres freeze + build 0.15x-0.26x Gym's. Each
@@ -569,7 +574,7 @@ take turns on the GIL).
   105k tokens, against a first-turns cost of 0.54-0.59 ms per call on Postgres). Gym's format
   puts the length first, so no state can be carried from the parent; checking it later (at
   build) would move the same hashing into the build. With the first turns' cost as low as it is,
-  the ratio swings with the machine: 1.25x-2.48x over the fourteen runs here. A build's time depends
+  the ratio swings with the machine: 1.25x-2.48x over the fifteen runs here. A build's time depends
   on whether a young-generation garbage collection lands while the projection makes each call's
   prompt list (about 10M list slots at 200 turns, 20-25 ms when it does). Making those lists
   (each carrier holds its own, as the release's output has it) is itself 36-42 ms of a 57-124 ms
