@@ -41,6 +41,27 @@ def _f(v: Any, nd: int = 2) -> str:
     return f"{v:,.{nd}f}"
 
 
+def _fresh(mach: dict[str, Any]) -> str:
+    """What fresh memory cost the benchmark's process, when the run probed it."""
+    fm = mach.get("fresh_memory")
+    if not fm:
+        return ""
+    return (
+        f"; fresh memory {_f(fm['ms_per_mib'])} ms per MiB written the first time "
+        f"({_f(fm['us_per_fault'])} us per page fault)"
+    )
+
+
+def _again(d: dict[str, Any]) -> str:
+    """The long build's first run against the same snapshot built again, when recorded."""
+    if "build_again_ms" not in d:
+        return ""
+    return (
+        f" (the process's first: {d['build_page_faults']:,.0f} page faults; built again "
+        f"{_f(d['build_again_ms'], 1)} ms, {d['build_again_page_faults']:,.0f})"
+    )
+
+
 def _verdict(ok: bool | None) -> str:
     return "n/a" if ok is None else ("**met**" if ok else "**missed**")
 
@@ -108,12 +129,12 @@ def render(g: dict[str, Any], pngs: list[str]) -> str:
     fs = g.get("fsync_start") or {}
     add(
         f"Machine: {mach.get('cpu', '?')}; disk fsync (4 KiB write + fdatasync) at the start "
-        f"p50 {_f(fs.get('p50_ms'))} ms, p90 {_f(fs.get('p90_ms'))} ms. The machine may be "
-        "shared with other test runs (each side's 1-minute load average is in the table "
-        "below; loads of 9-20 on 2 vCPUs have been seen), and the machine itself changes from "
-        "run to run, so absolute figures move by 2x; every ledger "
-        "figure below is a ratio against the Gym file store measured in the same repetition, "
-        "on the same disk, one side after the other (the order rotates), and the range is "
+        f"p50 {_f(fs.get('p50_ms'))} ms, p90 {_f(fs.get('p90_ms'))} ms{_fresh(mach)}. "
+        "The machine may be shared with other test runs (each side's 1-minute load average "
+        "is in the table below; loads of 9-20 on 2 vCPUs have been seen), and the machine "
+        "itself changes from run to run, so absolute figures move by 2x; every ledger figure "
+        "below is a ratio against the Gym file store measured in the same repetition, on the "
+        "same disk, one side after the other (the order rotates), and the range is "
         "over repetitions.\n"
     )
     add("## What is compared\n")
@@ -197,7 +218,7 @@ def render(g: dict[str, Any], pngs: list[str]) -> str:
                 [
                     f"{SIDES[b]}: build of the {d['turns']}-turn rollout",
                     "<= 100 ms",
-                    f"{_f(d['build_ms'], 1)} ms",
+                    f"{_f(d['build_ms'], 1)} ms{_again(d)}",
                     _verdict(d["build_ms"] <= 100),
                 ]
             )
