@@ -498,7 +498,7 @@ NOTES = """## How the ingest path works now (issue 12)
 ## What is not met, and why
 
 Figures in this section are from runs on AMD EPYC machines with 2 vCPUs, slower and much
-noisier than the previous reports' machines: Gym's store with delta records ran at 440-774
+noisier than the previous reports' machines: Gym's store with delta records ran at 317-774
 calls/s here (761-817 on the last report's Intel Xeon), a single run's SQLite repetitions
 ranged from 1.86x to 3.19x, and the simulated engine alone answered a 16k capture request in
 5.4-11.0 ms p50 depending on the minute. Changes were compared side by side instead (`python
@@ -542,14 +542,22 @@ and in a third session, the same code again:
 
 13. 2.47x (2.20-2.93), 1.46x (1.42-1.76), 1.21x / 1.65x, 57 / 68 ms, 4.6 / 4.4 ms (6.5 / 6.3;
     3.4 / 3.2), 0.20x;
-14. five repetitions by default from here on (the run above; its record says "dirty" because
-    the new default was not yet committed): 2.72x (2.43-3.03), 1.70x (1.29-2.29), 1.33x /
+14. five repetitions by default from here on (published until run 17; its record said "dirty"
+    because the new default was not yet committed): 2.72x (2.43-3.03), 1.70x (1.29-2.29), 1.33x /
     1.78x, 61 / 80 ms, 5.1 / 4.5 ms (6.6 / 6.8; 3.7 / 3.6), 0.15x;
 
 and in a fourth session, the same code again:
 
 15. 2.70x (2.08-2.87), 1.71x (1.44-2.24), 1.13x / 1.77x, 72 / 83 ms, 6.0 / 5.8 ms (8.4 / 9.3;
-    3.9 / 4.6), 0.17x.
+    3.9 / 4.6), 0.17x;
+
+and in a fifth session, the same code again, on the slowest machine yet (Gym's store with delta
+records 317-446 calls/s, fsync p50 0.37-0.55 ms, fresh memory 2.8-4.0 us per page fault):
+
+16. 2.62x (1.86-2.78), 1.87x (1.65-2.10), 0.98x / 1.69x, 176 / 149 ms, 7.2 / 5.5 ms (11.3 /
+    9.5; 5.6 / 4.1), 0.21x;
+17. the run above, with the long rollout built twice from here on: 2.25x (2.06-2.45), 1.54x
+    (1.47-1.75), 1.44x / 1.33x, 124 / 148 ms, 9.8 / 6.9 ms (13.5 / 11.7; 7.5 / 4.9), 0.20x.
 
 Stored bytes were 1.25x raw on SQLite in every run (1.17x at 8x10); Postgres's are the
 database's growth, which moves with how full the last pages are: 1.15x-1.40x, and 0.93x in
@@ -558,7 +566,7 @@ run 5. SQLite freeze + build was 0.11x-0.21x Gym's.
 The reports before ran on faster machines: the same targets there were SQLite 2.47x-2.62x,
 Postgres 1.58x-1.71x, proxy 4.1-5.3 ms (root) and 3.6-4.4 ms (continuation). Gym's own CPU per
 call went from 1.3-1.4 ms there to 2.1-2.2 ms here; the ledger server's CPU per proxied call
-from 3.6-3.8 ms to 4.5-7.1 ms (the bare proxies' from 1.0-1.3 ms to 1.1-2.4 ms).
+from 3.6-3.8 ms to 4.4-7.6 ms (the bare proxies' from 1.0-1.3 ms to 1.1-2.4 ms).
 
 The ledger's SQLite throughput is its CPU per call on one core (the process kept the 2-vCPU
 machine about half busy, where Gym's store, whose file writes run in threads, kept it busier);
@@ -566,7 +574,7 @@ handing the digest check to a worker thread to use the second core cut it by ~30
 (about 1,400 against 1,980 calls/s side by side on the last report's machine: the two threads
 take turns on the GIL).
 
-- **Proxy overhead above the bare pass-through (6.6-10.3 ms over the runs, of 2; 2.9-6.0 ms
+- **Proxy overhead above the bare pass-through (6.6-13.5 ms over the runs, of 2; 2.9-7.5 ms
   overhead above its overhead).** Out of reach while the record is committed before the
   harness is answered (design section 5.2). The bare proxy does not ask for token ids, and the
   engine answers such a request sooner (the simulated engine in run 9: 4.7-4.9 against 8.7-8.9
@@ -581,13 +589,14 @@ take turns on the GIL).
   already; what any durable capture must do (commit the intent, parse and check the ids, prepare
   and commit the record, flush) sums to more than 2 ms here before the HTTP stack's own work.
   Server CPU per proxied call in run 9: ledger 6.1 ms, the bare proxies 1.7 and 1.8 ms (run
-  14: 4.4, 1.1 and 1.2 ms; run 15: 5.8, 1.7 and 1.8 ms).
-- **Targets at the edge of this machine's swings.** The proxy's 16k root overhead was 4.6-7.8 ms
-  over the fifteen runs, within 5 only in runs 10 and 13; continuations 3.9-8.7 ms, within 5
-  in runs 4, 5, 10, 13 and 14; the SQLite ratio 2.15x-2.80x, the Postgres ratio 1.46x-1.82x,
-  the Postgres per-call growth 1.25x-2.48x (SQLite's 0.96x-2.01x), the 200-turn builds 57-124
-  ms on SQLite and 68-106 ms on Postgres, Postgres freeze + build 0.15x-0.26x Gym's. Each
-  repetition is 400 calls (about 0.3 s on SQLite), one long rollout and one build. A root
+  14: 4.4, 1.1 and 1.2 ms; run 15: 5.8, 1.7 and 1.8 ms; run 17: 7.6, 2.0 and 2.3 ms).
+- **Targets at the edge of this machine's swings.** The proxy's 16k root overhead was 4.6-9.8 ms
+  over the seventeen runs, within 5 only in runs 10 and 13; continuations 3.9-8.7 ms, within 5
+  in runs 4, 5, 10, 13 and 14; the SQLite ratio 2.15x-2.80x, the Postgres ratio 1.46x-1.87x,
+  the Postgres per-call growth 1.25x-2.48x (SQLite's 0.96x-2.01x), the 200-turn builds 57-176
+  ms on SQLite and 68-149 ms on Postgres (both within 100 ms in runs 1-6, 8 and 13-15),
+  Postgres freeze + build 0.15x-0.26x Gym's. Each repetition is 400 calls (about 0.3 s on
+  SQLite); the long rollout is one rollout, built once (twice from run 17). A root
   costs about 1 ms more than a continuation at 16k: its whole prompt is parsed, checked,
   packed, hashed, deflated and flushed, and its intent creates the rollout.
 - **Per-call growth is Gym's digest.** The late calls of a 200-turn rollout pay the O(context)
@@ -595,12 +604,25 @@ take turns on the GIL).
   105k tokens, against a first-turns cost of 0.54-0.59 ms per call on Postgres). Gym's format
   puts the length first, so no state can be carried from the parent; checking it later (at
   build) would move the same hashing into the build. With the first turns' cost as low as it is,
-  the ratio swings with the machine: 1.25x-2.48x over the fifteen runs here. A build's time depends
-  on whether a young-generation garbage collection lands while the projection makes each call's
-  prompt list (about 10M list slots at 200 turns, 20-25 ms when it does). Making those lists
-  (each carrier holds its own, as the release's output has it) is itself 36-42 ms of a 57-124 ms
-  SQLite build here, with or without the collector; reading the chain and replaying it
-  (inflating, the running digest) 15-20 ms more.
+  the ratio swings with the machine: 1.25x-2.48x over the seventeen runs here. A build's time
+  depends on whether a young-generation garbage collection lands while the projection makes
+  each call's prompt list (about 10M list slots at 200 turns, 20-25 ms when it does). Making
+  those lists (each carrier holds its own, as the release's output has it) is itself 36-42 ms
+  of a 57-124 ms SQLite build on the machines of runs 1-15, with or without the collector;
+  reading the chain and replaying it (inflating, the running digest) 15-20 ms more.
+- **The 200-turn build on the slowest machine (runs 16-17: 124-176 ms on SQLite, 148-149 on
+  Postgres; Gym's own 1.8-2.1 s).** In a process that builds one such rollout after another
+  (each output dropped before the next, fifth session, wall time per build with the stages
+  timed inside it), a SQLite build took 55-84 ms: the freeze and its read of the 200 calls
+  10-17 ms, the plan 3-4 ms, reading the chain 6 ms and replaying it 12-22 ms, the
+  projection's lists 17-22 ms, the delivery row 2.5-3 ms. The benchmark's build is the first
+  of its process at that size: its output's prompt lists (about 84 MB of list slots) come
+  fresh from the system, and a fresh page cost 2.8-4.0 us here (the machine probe: 64 MiB
+  written once), 3-4x what it cost on the earlier machines; run 17 counted about 10,300 page
+  faults in the first build (30-40 ms) and as many when the same snapshot was built again
+  (115 and 117 ms), since the first build's lists went back to the system when they were
+  dropped. The lists are the output format (each carrier holds its own, as the release's
+  output has it), so this part of a build moves with the machine's memory, not the ledger.
 - Full-prompt records still cost O(context) per call where they arrive as a Python list of
   every prompt id (Gym's with delta records off, a proxied root): checking and packing it are
   C-speed passes over the whole prompt. A proxied continuation still builds the list of its
