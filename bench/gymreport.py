@@ -575,8 +575,14 @@ handing the digest check to a worker thread to use the second core cut it by ~30
 take turns on the GIL).
 
 - **Proxy overhead above the bare pass-through (6.6-13.5 ms over the runs, of 2; 2.9-7.5 ms
-  overhead above its overhead).** Out of reach while the record is committed before the
-  harness is answered (design section 5.2). The bare proxy does not ask for token ids, and the
+  overhead above its overhead).** Out of reach on these machines, and not because of the
+  flush: what keeps it out of reach is the ledger's CPU per call. A diagnostic build that
+  answered at the record's commit and flushed after it (not kept: design section 5.2 awaits
+  the record before the answer) took 0.5, 2.2 and 0.7 ms off the root's 16k overhead and 0.0,
+  1.5 and 1.0 ms off the continuation's, over three side-by-side runs of 100 samples on the
+  machine of runs 16-17. That left 5.8-7.8 ms, against 1.7-2.4 ms for the bare proxy. Server
+  CPU per call was 7.0-7.5 ms for the ledger and 2.0-2.3 ms for the bare proxy. The bare proxy
+  does not ask for token ids, and the
   engine answers such a request sooner (the simulated engine in run 9: 4.7-4.9 against 8.7-8.9
   ms p50 at 16k), which the latency difference counts as the ledger's; the second figure holds
   each proxy to the engine answering what that proxy sends. Where the ledger's time goes, p50
