@@ -653,14 +653,17 @@ take turns on the GIL).
   worth of CPU (986-1,479 calls/s at 0.62-0.93 ms per call). Where a call's time went (sixth
   session, wrappers around each stage in the 8x50 drive, microseconds per call): preparing the
   delta record 240-260 (Gym's digest over the whole widened context 72, the log-probs packed and
-  deflated 51, the payload digest 39, of which the metadata's `model_dump` about 20, the ids
-  deflated 36), the batch on the event loop 210-220 (its statements 130, the rest `BEGIN` and
-  `COMMIT`), validating the entry 96-99, the WAL flush 70-80 on a flusher thread; the rest is
-  the futures and wake-ups between them. The changes in reach (the metadata dumped without
-  `model_dump`, one `compressobj` with a small hash table instead of `zlib.compress` for short
-  arrays, a cheaper float32 round-trip test) add up to about 40-50 us, 6-7% of a call: not
-  the 15% the target lacks on that machine. Using the second core means running Python on
-  it, which the GIL turns into turns taken (measured earlier: the digest check in a worker
+  deflated 51, the payload digest 39, the ids deflated 36), the batch on the event loop 210-220
+  (its statements 130, the rest `BEGIN` and `COMMIT`), validating the entry 96-99, the WAL
+  flush 70-80 on a flusher thread; the rest is the futures and wake-ups between them. The same
+  steps timed alone, back to back, cost a half to a third of that (payload digest 14,
+  log-probs 25, ids 22, validation 54 us). The changes looked at and not made save a few
+  microseconds each, measured alone: the metadata serialized from the entry's fields instead
+  of `model_dump` (6 -> 3 us, the same bytes on the workload's records), a `compressobj` with
+  a small hash table instead of `zlib.compress` for short arrays (10 -> 6 us, three per
+  record), the float32 round-trip test (its two passes are 11 us): together 2-7% of a call,
+  not the ~15% the target lacks on that machine. Using the second core means running Python
+  on it, which the GIL turns into turns taken (measured earlier: the digest check in a worker
   thread cut throughput by ~30%).
 - **Proxy overhead above the bare pass-through (6.6-13.5 ms over the runs, of 2; 2.9-7.5 ms
   overhead above its overhead).** Out of reach on these machines, and not because of the
