@@ -644,9 +644,9 @@ simulated engine's direct p50 at 2.8-3.5 ms and the ledger's overhead at 4.1-5.7
 ms overhead half an hour later, with the ledger server's CPU per proxied call going from 4.6
 to 5.6-6.5 ms on the same code.
 
-Stored bytes were 1.25x raw on SQLite in every run (1.17x at 8x10); Postgres's are the
-database's growth, which moves with how full the last pages are: 1.15x-1.40x, and 0.93x in
-run 5. SQLite freeze + build was 0.11x-0.21x Gym's.
+Over runs 1-17, stored bytes were 1.25x raw on SQLite in every run (1.17x at 8x10);
+Postgres's are the database's growth, which moves with how full the last pages are:
+1.15x-1.40x, and 0.93x in run 5. SQLite freeze + build was 0.11x-0.21x Gym's.
 
 The reports before ran on faster machines: the same targets there were SQLite 2.47x-2.62x,
 Postgres 1.58x-1.71x, proxy 4.1-5.3 ms (root) and 3.6-4.4 ms (continuation). Gym's own CPU per
