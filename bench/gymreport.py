@@ -619,7 +619,7 @@ records 317-446 calls/s, fsync p50 0.37-0.55 ms, fresh memory 2.8-4.0 us per pag
 In a sixth session, the same code (bc4f092) on another AMD EPYC machine, ten runs back to back
 (18-27, about 75 s each; Gym's store with delta records 322-567 calls/s, fsync p50 0.22-0.46
 ms, fresh memory 2.6-3.4 us per page fault), tallied with `python -m bench.gymtally` (every
-value in `bench/results/gymtally.json`; run 27 is the one published above):
+value in `bench/results/gymtally.json`; run 27 was the one published above until run 34):
 
 | target | goal | met | median | range |
 | --- | --- | --- | --- | --- |
@@ -643,6 +643,59 @@ simulated engine's direct p50 at 2.8-3.5 ms and the ledger's overhead at 4.1-5.7
 2.7-4.5 ms (continuation) at the session's start, then 8.5-11 ms direct and 6.5-7.7 / 4.7-6.1
 ms overhead half an hour later, with the ledger server's CPU per proxied call going from 4.6
 to 5.6-6.5 ms on the same code.
+
+In a seventh session, the same code (d5032b1; nothing in `ledger/` or `api/` changed) on a
+faster AMD EPYC machine, seven runs back to back (28-34, about 55 s each; Gym's store with delta
+records 513-734 calls/s, fsync p50 0.16-0.24 ms, fresh memory 2.0 us per page fault), tallied the
+same way (`bench/results/gymtally-28-34.json`; run 34 is the one published above):
+
+| target | goal | met | median | range |
+| --- | --- | --- | --- | --- |
+| SQLite calls/s vs Gym's best | >= 2.5x | 4 of 7 | 2.55x | 2.12x-2.71x |
+| Postgres calls/s vs Gym's best | >= 1.5x | 7 of 7 | 1.74x | 1.60x-1.84x |
+| SQLite stored bytes (8x50 and 8x10) | <= 1.5x | 7 of 7 | 1.25x | 1.25x |
+| Postgres stored bytes (8x50 and 8x10) | <= 1.5x | 7 of 7 | 1.33x | 0.96x-1.34x |
+| SQLite freeze + build vs Gym's | <= 0.25x | 7 of 7 | 0.15x | 0.13x-0.19x |
+| Postgres freeze + build vs Gym's | <= 0.25x | 7 of 7 | 0.17x | 0.16x-0.22x |
+| SQLite per-call growth, 200 turns | <= 2x | 7 of 7 | 1.37x | 1.26x-1.50x |
+| Postgres per-call growth, 200 turns | <= 2x | 7 of 7 | 1.71x | 1.07x-2.00x |
+| SQLite 200-turn build | <= 100 ms | 7 of 7 | 65 ms | 50-77 ms |
+| Postgres 200-turn build | <= 100 ms | 5 of 7 | 78 ms | 59-126 ms |
+| proxy overhead at 16k, root | <= 5 ms | 2 of 7 | 5.20 ms | 4.96-6.37 ms |
+| proxy overhead at 16k, continuation | <= 5 ms | 4 of 7 | 4.67 ms | 3.70-5.87 ms |
+| latency above the bare proxy, root | <= 2 ms | 0 of 7 | 7.12 ms | 6.63-8.03 ms |
+| latency above the bare proxy, continuation | <= 2 ms | 0 of 7 | 7.06 ms | 5.84-8.53 ms |
+
+Measured on that machine and not kept (the 8x50 SQLite drive, the variants alternating, calls/s
+with the median over the pairs):
+
+- **Gym's digest on a hashing thread with a lean hand-off** (a queue and a lock the caller takes
+  only when it gets there first, no asyncio future; from 32 KiB widened): 1,234-1,587 against
+  1,412-1,768 calls/s in line over five pairs, with 5.9 voluntary context switches per call
+  against 0.8. The earlier worker-thread result stands: the threads take turns on the GIL.
+- **Smaller loop batches against the flush convoy.** The eight rollouts' records share one
+  commit and then all wait for its flush (`fdatasync` 0.5-0.7 ms of about 220 KB of WAL), so the
+  event loop sat idle 70-90 us per call, about 14% of the wall time. Running a batch as soon as 4
+  (or 2) jobs wait took the idle down to 7-11 us but raised the CPU per call from about 500 us to
+  700-870 us (more commits, more flushes, more turns on the GIL): median 1,798 against 1,520 (4)
+  and 1,289 (2) calls/s.
+- **A smaller SQLite page.** A call writes 23.5 KB of WAL (2.9 frames of 8 KiB: the calls rows
+  0.77, the token rows 0.55, the calls table's three indexes 0.78, the lineage edges and their
+  three indexes 0.50, the rollout row and the header page 0.13 each). With 2 KiB pages a call
+  wrote 16.9 KB against 27.2 KB (checkpoints included); in `gymcmp` with `--backends sqlite`
+  (two runs each, alternating) SQLite reached 2.22x and 2.35x against 2.60x and 2.71x with 8 KiB
+  pages, and stored 1.38x raw against 1.25x.
+- **Gym's digest not checked at `put`** (a diagnostic, not a proposal taken): median 1,736
+  against 1,530 calls/s over eight pairs (+13%), about what SQLite lacks on the slower
+  machines. The check is what proves a delta record against its stamp before it is
+  acknowledged; moving it to the build moves the same hashing there (every call's whole widened
+  sequence: about 84 MB, some 40 ms, for the 200-turn rollout), so one target would be traded
+  for another.
+
+Where an 8x50 SQLite call's loop time went on that machine (`cProfile`, 1,200 calls, own time
+per call): SHA-256 updates 73 us (Gym's digest over the whole context most of it), the statements
+72 us and `BEGIN`/`COMMIT` 59 us (in SQLite's C code, but on the loop's thread), `zlib` 37 us,
+pydantic's own validation 28 us, then many steps of 5-20 us each.
 
 Over runs 1-17, stored bytes were 1.25x raw on SQLite in every run (1.17x at 8x10);
 Postgres's are the database's growth, which moves with how full the last pages are:
