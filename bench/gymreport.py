@@ -7,6 +7,8 @@ report (``python -m bench run``) goes to ``docs/performance-detail.md``.
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -436,7 +438,7 @@ def render(g: dict[str, Any], pngs: list[str]) -> str:
             "\nOne rollout of the same shape, calls one at a time, so the process CPU per call "
             "is the call's own. The prompt at the last turn is ~100k tokens.\n"
         )
-    add(NOTES)
+    add(_with_tallies(NOTES))
     return "\n".join(out)
 
 
@@ -444,6 +446,71 @@ def _table(header: list[str], rows: list[list[str]]) -> str:
     lines = ["| " + " | ".join(header) + " |", "| " + " | ".join("---" for _ in header) + " |"]
     lines += ["| " + " | ".join(row) + " |" for row in rows]
     return "\n".join(lines) + "\n"
+
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+# The rows of a tally table (``python -m bench.gymtally --out``), in the page's order.
+_TALLY_ROWS = {
+    "sqlite_calls": "SQLite calls/s vs Gym's best",
+    "postgres_calls": "Postgres calls/s vs Gym's best",
+    "sqlite_bytes": "SQLite stored bytes (8x50 and 8x10)",
+    "postgres_bytes": "Postgres stored bytes (8x50 and 8x10)",
+    "sqlite_build": "SQLite freeze + build vs Gym's",
+    "postgres_build": "Postgres freeze + build vs Gym's",
+    "sqlite_growth": "SQLite per-call growth, 200 turns",
+    "postgres_growth": "Postgres per-call growth, 200 turns",
+    "sqlite_long_build_ms": "SQLite 200-turn build",
+    "postgres_long_build_ms": "Postgres 200-turn build",
+    "proxy_root_ms": "proxy overhead at 16k, root",
+    "proxy_continuation_ms": "proxy overhead at 16k, continuation",
+    "proxy_root_above_bare_ms": "latency above the bare proxy, root",
+    "proxy_continuation_above_bare_ms": "latency above the bare proxy, continuation",
+}
+_TALLY_MARK = re.compile(r"<<tally ([\w.-]+)>>")
+
+
+def tally_table(tally: dict[str, Any]) -> str:
+    """A ``bench.gymtally`` result as the page's table: each target's goal, in how many runs it
+    was met, the median and the range over the runs."""
+    rows = []
+    for name, label in _TALLY_ROWS.items():
+        t = tally["targets"].get(name)
+        if t is None:
+            continue
+        measured = [v for v in t["values"] if v is not None]
+        if name.endswith("_ms"):
+            digits, unit, sep = (1 if "long_build" in name else 2), " ms", ""
+        else:
+            digits, unit, sep = 2, "x", "x"
+        low, high = _f(min(measured), digits), _f(max(measured), digits)
+        spread = f"{low}{unit}" if low == high else f"{low}{sep}-{high}{unit}"
+        rows.append(
+            [
+                label,
+                t["goal"],
+                f"{t['met']} of {t['runs']}",
+                f"{_f(t['median'], digits)}{unit}",
+                spread,
+            ]
+        )
+    return _table(["target", "goal", "met", "median", "range"], rows)
+
+
+def _with_tallies(text: str, results: Path = RESULTS) -> str:
+    """``text`` with each ``<<tally FILE>>`` replaced by the table of ``results/FILE``."""
+
+    def table(match: re.Match[str]) -> str:
+        path = results / match.group(1)
+        try:
+            tally = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise SystemExit(
+                f"error: the tally {path} named in NOTES cannot be read: {exc}"
+            ) from None
+        return tally_table(tally).rstrip("\n")
+
+    return _TALLY_MARK.sub(table, text)
 
 
 NOTES = """## How the ingest path works now (issue 12)
@@ -621,22 +688,7 @@ In a sixth session, the same code (bc4f092) on another AMD EPYC machine, ten run
 ms, fresh memory 2.6-3.4 us per page fault), tallied with `python -m bench.gymtally` (every
 value in `bench/results/gymtally.json`; run 27 was the one published above until run 34):
 
-| target | goal | met | median | range |
-| --- | --- | --- | --- | --- |
-| SQLite calls/s vs Gym's best | >= 2.5x | 0 of 10 | 2.20x | 1.68x-2.40x |
-| Postgres calls/s vs Gym's best | >= 1.5x | 6 of 10 | 1.53x | 1.08x-1.77x |
-| SQLite stored bytes (8x50 and 8x10) | <= 1.5x | 10 of 10 | 1.25x | 1.25x |
-| Postgres stored bytes (8x50 and 8x10) | <= 1.5x | 10 of 10 | 1.31x | 1.21x-1.34x |
-| SQLite freeze + build vs Gym's | <= 0.25x | 7 of 10 | 0.16x | 0.15x-0.30x |
-| Postgres freeze + build vs Gym's | <= 0.25x | 7 of 10 | 0.21x | 0.15x-0.29x |
-| SQLite per-call growth, 200 turns | <= 2x | 10 of 10 | 1.25x | 0.85x-1.80x |
-| Postgres per-call growth, 200 turns | <= 2x | 10 of 10 | 1.46x | 0.87x-1.84x |
-| SQLite 200-turn build | <= 100 ms | 4 of 10 | 105 ms | 71-234 ms |
-| Postgres 200-turn build | <= 100 ms | 0 of 10 | 118 ms | 100.4-152 ms |
-| proxy overhead at 16k, root | <= 5 ms | 0 of 10 | 7.15 ms | 5.95-8.57 ms |
-| proxy overhead at 16k, continuation | <= 5 ms | 1 of 10 | 5.95 ms | 4.94-7.72 ms |
-| latency above the bare proxy, root | <= 2 ms | 0 of 10 | 9.64 ms | 8.31-11.21 ms |
-| latency above the bare proxy, continuation | <= 2 ms | 0 of 10 | 8.87 ms | 7.90-10.61 ms |
+<<tally gymtally.json>>
 
 The machine's speed moved within minutes: `python -m bench.proxy` alone at 16k measured the
 simulated engine's direct p50 at 2.8-3.5 ms and the ledger's overhead at 4.1-5.7 ms (root) and
@@ -649,22 +701,7 @@ faster AMD EPYC machine, seven runs back to back (28-34, about 55 s each; Gym's 
 records 513-734 calls/s, fsync p50 0.16-0.24 ms, fresh memory 2.0 us per page fault), tallied the
 same way (`bench/results/gymtally-28-34.json`; run 34 is the one published above):
 
-| target | goal | met | median | range |
-| --- | --- | --- | --- | --- |
-| SQLite calls/s vs Gym's best | >= 2.5x | 4 of 7 | 2.55x | 2.12x-2.71x |
-| Postgres calls/s vs Gym's best | >= 1.5x | 7 of 7 | 1.74x | 1.60x-1.84x |
-| SQLite stored bytes (8x50 and 8x10) | <= 1.5x | 7 of 7 | 1.25x | 1.25x |
-| Postgres stored bytes (8x50 and 8x10) | <= 1.5x | 7 of 7 | 1.33x | 0.96x-1.34x |
-| SQLite freeze + build vs Gym's | <= 0.25x | 7 of 7 | 0.15x | 0.13x-0.19x |
-| Postgres freeze + build vs Gym's | <= 0.25x | 7 of 7 | 0.17x | 0.16x-0.22x |
-| SQLite per-call growth, 200 turns | <= 2x | 7 of 7 | 1.37x | 1.26x-1.50x |
-| Postgres per-call growth, 200 turns | <= 2x | 7 of 7 | 1.71x | 1.07x-2.00x |
-| SQLite 200-turn build | <= 100 ms | 7 of 7 | 65 ms | 50-77 ms |
-| Postgres 200-turn build | <= 100 ms | 5 of 7 | 78 ms | 59-126 ms |
-| proxy overhead at 16k, root | <= 5 ms | 2 of 7 | 5.20 ms | 4.96-6.37 ms |
-| proxy overhead at 16k, continuation | <= 5 ms | 4 of 7 | 4.67 ms | 3.70-5.87 ms |
-| latency above the bare proxy, root | <= 2 ms | 0 of 7 | 7.12 ms | 6.63-8.03 ms |
-| latency above the bare proxy, continuation | <= 2 ms | 0 of 7 | 7.06 ms | 5.84-8.53 ms |
+<<tally gymtally-28-34.json>>
 
 Measured on that machine and not kept (the 8x50 SQLite drive, the variants alternating, calls/s
 with the median over the pairs):
