@@ -21,8 +21,9 @@ Phases: ``ingest`` (8 concurrent rollouts x 50 turns, the issue-12 workload), ``
 each side's own ``finalize_rollout_token_capture``), ``long`` (one 200-turn rollout, one call at
 a time: CPU per call at turns 191-200 against turns 1-10, and its build).
 
-Writes ``bench/results/gymcmp.json`` (or ``--out``); ``python -m bench report`` puts it into
-``docs/performance.md``.
+Writes ``bench/results/gymcmp.json`` (or ``--out``) and, with ``--docs DIR``,
+``DIR/performance.md`` and its plots; ``python -m bench.gymreport [FILE]`` renders the page from
+a saved run.
 """
 
 from __future__ import annotations
@@ -628,9 +629,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.docs is not None:
         from bench import gymreport
 
-        before = RESULTS / "gymcmp-before.json"
-        if before.exists():
-            out["before"] = json.loads(before.read_text())
         gymreport.write(out, args.docs)
         print(f"wrote {args.docs / 'performance.md'}", file=sys.stderr)
     r = out["ratios"]

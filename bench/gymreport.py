@@ -1,4 +1,5 @@
-"""``docs/performance.md`` from ``bench/results/gymcmp.json`` (``python -m bench.gymcmp``).
+"""``docs/performance.md`` from ``bench/results/gymcmp.json`` (``python -m bench.gymcmp``, or
+``python -m bench.gymreport [RESULTS.json]`` for a saved run).
 
 The page states issue 12's targets as ratios against NeMo Gym 0.7.0's file store measured in
 the same run, with their spread over repetitions, and draws two plots.  The older, detailed
@@ -7,15 +8,17 @@ report (``python -m bench run``) goes to ``docs/performance-detail.md``.
 
 from __future__ import annotations
 
+import argparse
 import json
 import re
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from bench.report_util import pyplot, save_plot
 
-__all__ = ["GOALS", "verdicts", "write"]
+__all__ = ["GOALS", "main", "tally_table", "verdicts", "write"]
 
 SIDES = {
     "gym_full": "Gym file store, full records",
@@ -887,6 +890,32 @@ take turns on the GIL).
 
 
 def write(g: dict[str, Any], docs: Path) -> None:
+    """The page and its plots for the run ``g``, with the rework's "before" run beside it
+    (``bench/results/gymcmp-before.json``) when ``g`` does not carry one."""
+    before = RESULTS / "gymcmp-before.json"
+    if "before" not in g and before.exists():
+        g = {**g, "before": json.loads(before.read_text())}
     docs.mkdir(parents=True, exist_ok=True)
     pngs = _plots(g, docs)
     (docs / "performance.md").write_text(render(g, pngs))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.gymreport [RESULTS.json] [--docs DIR]``: the page from a saved run
+    (the published one by default), without running the benchmark again."""
+    ap = argparse.ArgumentParser(prog="python -m bench.gymreport", description=main.__doc__)
+    ap.add_argument("results", nargs="?", type=Path, default=RESULTS / "gymcmp.json")
+    ap.add_argument("--docs", type=Path, default=RESULTS.parent.parent / "docs")
+    args = ap.parse_args(argv)
+    try:
+        g = json.loads(args.results.read_text())
+    except (OSError, ValueError) as exc:
+        print(f"error: {args.results}: {exc}", file=sys.stderr)
+        return 2
+    write(g, args.docs)
+    print(f"wrote {args.docs / 'performance.md'}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
