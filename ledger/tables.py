@@ -26,6 +26,7 @@ from sqlalchemy import (
     String,
     Text,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.dialects.postgresql import JSONB
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
@@ -81,6 +82,13 @@ class Rollout(Base):
     retired_at: Mapped[datetime | None]
 
 
+# A partial index's condition, in both dialects' spelling.
+_CAPTURED_ONLY: dict[str, Any] = {
+    "sqlite_where": text("status = 'captured'"),
+    "postgresql_where": text("status = 'captured'"),
+}
+
+
 class Call(Base):
     __tablename__ = "calls"
     __table_args__ = (
@@ -91,8 +99,11 @@ class Call(Base):
             "AND cumulative_len = prompt_len + generation_len)",
             name="lengths",
         ),
-        Index(None, "rollout_id", "status", "cumulative_len"),
-        Index(None, "rollout_id", "continuation_fingerprint"),
+        # Lineage candidates and continuation lookups read captured calls only: intents stay
+        # out of these indexes, so registering one and turning it into a record touch neither
+        # (migration 0005).
+        Index(None, "rollout_id", "cumulative_len", **_CAPTURED_ONLY),
+        Index(None, "rollout_id", "continuation_fingerprint", **_CAPTURED_ONLY),
     )
 
     id: Mapped[int] = mapped_column(BigId, primary_key=True, autoincrement=True)

@@ -169,6 +169,14 @@ def stamp_delivery(delivery_id: int, **stamps: Any) -> Any:
 # ----------------------------------------------------------------------------- lineage
 
 
+def _captured() -> sa.ColumnElement[bool]:
+    """The condition ``status = 'captured'``, with the status written as a constant.
+
+    The calls' partial indexes on captured calls (migration 0005) serve only a query that names
+    the status literally, not one that binds it as a parameter."""
+    return calls.c.status == sa.literal_column("'captured'")
+
+
 def _parent_candidate(rollout_id: str) -> list[Any]:
     """A captured call of the rollout that could be a parent (its generation is not empty).
 
@@ -177,7 +185,7 @@ def _parent_candidate(rollout_id: str) -> list[Any]:
     """
     return [
         calls.c.rollout_id == rollout_id,
-        calls.c.status == "captured",
+        _captured(),
         calls.c.generation_len > 0,
     ]
 
@@ -268,7 +276,7 @@ def continuation_candidates(rollout_id: str, fingerprint: str) -> sa.Select[Any]
         )
         .where(
             calls.c.rollout_id == rollout_id,
-            calls.c.status == "captured",
+            _captured(),
             calls.c.continuation_fingerprint == fingerprint,
         )
         .order_by(calls.c.model_call_id)
@@ -282,7 +290,7 @@ def gym_stamped_calls(rollout_id: str, fingerprint: str) -> sa.Select[Any]:
     """Captured calls whose Gym extra fields carry this continuation fingerprint."""
     stamped = calls.c.extra["continuation_fingerprint"].as_string()
     return sa.select(calls.c.model_call_id, calls.c.cumulative_len, calls.c.extra).where(
-        calls.c.rollout_id == rollout_id, calls.c.status == "captured", stamped == fingerprint
+        calls.c.rollout_id == rollout_id, _captured(), stamped == fingerprint
     )
 
 
