@@ -48,10 +48,9 @@ from typing import Any
 from bench import machine
 from bench.dbs import Db, DbFactory
 from bench.direct import ROUTE, rollout_result
+from bench.gymreport import RESULTS
 from bench.workload import Workload, direct_calls, distinct_token_stats
 
-ROOT = Path(__file__).resolve().parent.parent
-RESULTS = ROOT / "bench" / "results"
 CACHE = Path(os.environ.get("ROLLOUT_LEDGER_CACHE", Path.home() / ".cache" / "rollout-ledger"))
 WHEEL = CACHE / "nemo-gym-wheel" / "extracted"
 

@@ -82,11 +82,9 @@ class Rollout(Base):
     retired_at: Mapped[datetime | None]
 
 
-# A partial index's condition, in both dialects' spelling.
-_CAPTURED_ONLY: dict[str, Any] = {
-    "sqlite_where": text("status = 'captured'"),
-    "postgresql_where": text("status = 'captured'"),
-}
+# The calls' partial indexes hold captured calls only: one condition, given to each dialect.
+_CAPTURED = text("status = 'captured'")
+_CAPTURED_ONLY: dict[str, Any] = {"sqlite_where": _CAPTURED, "postgresql_where": _CAPTURED}
 
 
 class Call(Base):

@@ -206,25 +206,25 @@ async def test_migrated_schema_has_every_named_constraint(fresh_url: str) -> Non
     assert await inspect(fresh_url, _reflected_constraints) == _declared_constraints()
 
 
+def _index_definitions(i: sa.Inspector) -> tuple[str, dict[str, str]]:
+    """The dialect's name and each index's definition as the database states it."""
+    dialect = i.dialect.name
+    sql = (
+        "SELECT name, sql FROM sqlite_master WHERE type = 'index' AND sql IS NOT NULL"
+        if dialect == "sqlite"
+        else "SELECT indexname, indexdef FROM pg_indexes WHERE schemaname = current_schema()"
+    )
+    assert isinstance(i.bind, sa.Connection)
+    return dialect, {str(n): str(d) for n, d in i.bind.execute(sa.text(sql)).all()}
+
+
 async def test_migrated_indexes_keep_their_partial_conditions(fresh_url: str) -> None:
     """Nor does ``alembic check`` compare a partial index's condition.  The calls' lineage and
     continuation indexes leave intents out (``status = 'captured'``: migration 0005), and the
     hot path's statements name that status literally to use them; every index the models
     declare with a condition has it in the migrated schema, and no other index has one."""
     await asyncio.to_thread(migrate.upgrade, fresh_url)
-    engine = make_engine(fresh_url, poolclass=sa.pool.NullPool)
-    try:
-        async with engine.connect() as conn:
-            dialect = conn.dialect.name
-            sql = (
-                "SELECT name, sql FROM sqlite_master WHERE type = 'index' AND sql IS NOT NULL"
-                if dialect == "sqlite"
-                else "SELECT indexname, indexdef FROM pg_indexes"
-                " WHERE schemaname = current_schema()"
-            )
-            defs = {str(n): str(d) for n, d in (await conn.execute(sa.text(sql))).all()}
-    finally:
-        await engine.dispose()
+    dialect, defs = await inspect(fresh_url, _index_definitions)
     declared = {
         str(index.name): index.dialect_kwargs.get(f"{dialect}_where")
         for table in Base.metadata.sorted_tables
