@@ -11,6 +11,19 @@ what serves the generating POST when a test injects an httpx transport (its faul
 Either way the caller sees one shape: an :class:`UpstreamAnswer` (status and body bytes) or an
 :class:`UpstreamFailure` saying whether the connection was refused (nothing was sent, so a retry
 cannot duplicate a generation), the request timed out, or the transport broke.
+
+Pooled connections and the keep-alive race: an engine's server (uvicorn, under vLLM and
+SGLang) closes a connection idle for 5 s.  A client that keeps idle connections longer
+(aiohttp's default is 15 s) sometimes sends a request on a connection the server is closing
+that moment: the request is reset before any answer, and the model call would fail with a 502
+(seen under load: 2 of about 2,900 calls with 160 concurrent rollouts of 16k-token prompts).
+aiohttp resends only idempotent requests in that case, never a POST.  So the pool here drops a
+connection idle for :data:`POOL_IDLE_S` (less than those 5 s), and a POST that fails before any
+answer byte on a *reused* connection is sent once more on a new one.  In the race the server
+dropped the connection before its handler took the request; should the engine instead have
+failed while generating, the retry costs one generation more, and only the answer the harness
+gets is recorded either way.  A new connection that ends without an answer is not retried (the
+engine took the request, and the harness's own retry decides).
 """
 
 from __future__ import annotations
@@ -20,6 +33,7 @@ import urllib.parse
 import urllib.request
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import SimpleNamespace
 from typing import Literal, Protocol
 
 import aiohttp
@@ -34,6 +48,10 @@ __all__ = [
 ]
 
 FailureKind = Literal["connect", "timeout", "transport"]
+
+# How long an idle pooled connection to the engine is kept: under the 5 s after which uvicorn
+# (vLLM's and SGLang's HTTP server) closes an idle connection.
+POOL_IDLE_S = 4.0
 
 
 class UpstreamFailure(Exception):
@@ -113,16 +131,22 @@ class AiohttpPoster:
 
     def _open(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            self._session = aiohttp.ClientSession(
-                connector=aiohttp.TCPConnector(limit=self._max_connections),
-                timeout=self._timeout,
-                # The environment's proxy is resolved once (_env_proxy); trusting the
-                # environment would read it again, in a worker thread, on every request.
-                trust_env=False,
-                # No cookie jar: an upstream's cookies must not leak from one harness to another.
-                cookie_jar=aiohttp.DummyCookieJar(),
+            self._session = self._new_session(
+                aiohttp.TCPConnector(limit=self._max_connections, keepalive_timeout=POOL_IDLE_S)
             )
         return self._session
+
+    def _new_session(self, connector: aiohttp.BaseConnector) -> aiohttp.ClientSession:
+        return aiohttp.ClientSession(
+            connector=connector,
+            timeout=self._timeout,
+            # The environment's proxy is resolved once (_env_proxy); trusting the
+            # environment would read it again, in a worker thread, on every request.
+            trust_env=False,
+            # No cookie jar: an upstream's cookies must not leak from one harness to another.
+            cookie_jar=aiohttp.DummyCookieJar(),
+            trace_configs=[_REUSE],
+        )
 
     async def post(self, path: str, payload: bytes, headers: Mapping[str, str]) -> UpstreamAnswer:
         sent = dict(headers)
@@ -130,19 +154,74 @@ class AiohttpPoster:
             for key in [k for k in sent if k.lower() == "authorization"]:
                 del sent[key]
             sent["authorization"] = self._authorization
+        url = self._base + path
+        attempt = _Attempt()
         try:
-            async with self._open().post(
-                self._base + path, data=payload, headers=sent, proxy=self._proxy
-            ) as resp:
-                return UpstreamAnswer(resp.status, await resp.read())
+            return await self._send(self._open(), url, payload, sent, attempt)
         except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
-            # aiohttp's timeouts are asyncio.TimeoutError, which is TimeoutError.
-            raise _failure(exc, timeout=TimeoutError, connect=aiohttp.ClientConnectorError) from exc
+            if not attempt.stale(exc):
+                raise _upstream_failure(exc) from exc
+        # The keep-alive race (module docstring): once more, on a connection of its own.
+        try:
+            async with self._new_session(aiohttp.TCPConnector(force_close=True)) as fresh:
+                return await self._send(fresh, url, payload, sent, _Attempt())
+        except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
+            raise _upstream_failure(exc) from exc
+
+    async def _send(
+        self,
+        session: aiohttp.ClientSession,
+        url: str,
+        payload: bytes,
+        headers: dict[str, str],
+        attempt: _Attempt,
+    ) -> UpstreamAnswer:
+        async with session.post(
+            url, data=payload, headers=headers, proxy=self._proxy, trace_request_ctx=attempt
+        ) as resp:
+            attempt.answered = True
+            return UpstreamAnswer(resp.status, await resp.read())
 
     async def aclose(self) -> None:
         session, self._session = self._session, None
         if session is not None:
             await session.close()
+
+
+class _Attempt:
+    """One POST's connection history: whether it went out on a pooled (reused) connection, and
+    whether the answer's status line came back."""
+
+    __slots__ = ("answered", "reused")
+
+    def __init__(self) -> None:
+        self.reused = False
+        self.answered = False
+
+    def stale(self, exc: BaseException) -> bool:
+        """The request failed on a reused connection that the server dropped before answering
+        anything (reset, or closed): the keep-alive race, safe to send again."""
+        return (
+            self.reused
+            and not self.answered
+            and isinstance(exc, aiohttp.ServerDisconnectedError | aiohttp.ClientOSError)
+            and not isinstance(exc, aiohttp.ClientConnectorError)
+        )
+
+
+async def _on_reuse(_session: aiohttp.ClientSession, ctx: SimpleNamespace, _params: object) -> None:
+    if isinstance(ctx.trace_request_ctx, _Attempt):
+        ctx.trace_request_ctx.reused = True
+
+
+_REUSE = aiohttp.TraceConfig()
+_REUSE.on_connection_reuseconn.append(_on_reuse)
+_REUSE.freeze()
+
+
+def _upstream_failure(exc: BaseException) -> UpstreamFailure:
+    # aiohttp's timeouts are asyncio.TimeoutError, which is TimeoutError.
+    return _failure(exc, timeout=TimeoutError, connect=aiohttp.ClientConnectorError)
 
 
 def _env_proxy(url: str) -> str | None:

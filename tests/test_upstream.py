@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import socket
+import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
@@ -72,9 +74,36 @@ async def hanging(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) ->
     await asyncio.sleep(30)
 
 
-async def closing(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-    await read_request(reader)
-    writer.close()  # the request was read; no answer, the connection ends
+def closing(seen: Seen) -> Handler:
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        seen.append(await read_request(reader))
+        writer.close()  # the request was read; no answer, the connection ends
+
+    return handle
+
+
+def closing_when_reused(seen: Seen, connections: list[int]) -> Handler:
+    """Answers the first request on each connection and keeps the connection open; the next
+    request on that same connection is read and the connection reset without an answer: what
+    a client meets when it reuses a connection the server closed as idle just as the request
+    went out (a keep-alive race)."""
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        connections.append(len(seen))
+        seen.append(await read_request(reader))
+        body = b'{"ok":true}'
+        writer.write(
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+            + f"content-length: {len(body)}\r\n\r\n".encode()
+            + body
+        )
+        await writer.drain()
+        seen.append(await read_request(reader))
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.close()  # an RST, not an answer
+
+    return handle
 
 
 def poster(
@@ -170,9 +199,69 @@ async def test_an_upstream_that_never_answers_times_out(kind: str) -> None:
 
 @pytest.mark.parametrize("kind", KINDS)
 async def test_a_connection_closed_before_the_answer_is_a_transport_failure(kind: str) -> None:
-    async with server(closing) as url:
+    """A new connection that ends without an answer: the engine may have taken the request, so
+    it is not sent again here (the harness's own retry decides)."""
+    seen: Seen = []
+    async with server(closing(seen)) as url:
         failure = await failure_of(poster(kind, url))
     assert failure.kind == "transport"
+    assert len(seen) == 1
+
+
+async def test_a_reused_connection_reset_before_any_answer_is_retried_on_a_new_one() -> None:
+    """The keep-alive race: a pooled connection the server drops as the request goes out.  The
+    request never reached the engine's handler, so aiohttp's poster sends it once more, on a
+    new connection, and the call gets its answer instead of a 502."""
+    seen: Seen = []
+    connections: list[int] = []
+    async with server(closing_when_reused(seen, connections)) as url:
+        p = poster("aiohttp", url)
+        try:
+            first = await p.post("/v1/chat/completions", b'{"n":1}', {})
+            second = await p.post("/v1/chat/completions", b'{"n":2}', {})
+        finally:
+            await p.aclose()
+    assert (first.status, second.status) == (200, 200)
+    assert [body for _line, _headers, body in seen] == [b'{"n":1}', b'{"n":2}', b'{"n":2}']
+    assert connections == [0, 2]  # the retry came on a connection of its own
+
+
+def test_the_pool_drops_idle_connections_before_an_engines_server_does() -> None:
+    """uvicorn (vLLM's and SGLang's HTTP server) closes a connection idle for its keep-alive
+    timeout; the proxy's pool lets go of one sooner, so it does not pick one being closed."""
+    import uvicorn
+
+    from api.upstream import POOL_IDLE_S
+
+    assert uvicorn.Config(app=None).timeout_keep_alive > POOL_IDLE_S
+
+
+async def test_a_reused_connection_is_retried_once_only() -> None:
+    """A retry that fails too is the call's transport failure: one retry, no loop."""
+    seen: Seen = []
+
+    async def answer_once_then_reset(
+        reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        if seen:  # every later connection: read and reset
+            seen.append(await read_request(reader))
+            writer.get_extra_info("socket").setsockopt(
+                socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
+            )
+            writer.close()
+            return
+        await closing_when_reused(seen, [])(reader, writer)
+
+    async with server(answer_once_then_reset) as url:
+        p = poster("aiohttp", url)
+        try:
+            await p.post("/v1/chat/completions", b"{}", {})
+            with pytest.raises(UpstreamFailure) as failed:
+                await p.post("/v1/chat/completions", b"{}", {})
+        finally:
+            await p.aclose()
+    assert failed.value.kind == "transport"
+    assert len(seen) == 3  # the first answer, the reused connection's request, one retry
 
 
 def test_serving_proxy_retries_a_refused_connection_once_over_aiohttp(
