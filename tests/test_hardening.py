@@ -497,6 +497,35 @@ def test_serve_passes_the_connection_limits_to_uvicorn() -> None:
         assert issubclass(opts["http"], HttpToolsProtocol)
 
 
+async def test_serve_outlasts_the_idle_pools_of_its_clients() -> None:
+    """A client that sends on a pooled connection while the server closes it as idle gets a
+    reset, not an answer (160 concurrent rollouts through httpx, whose pool keeps idle
+    connections 5 s, as serve then did: 4 of 5,760 calls failed so).  So serve keeps idle
+    connections longer than its clients' pools do: httpx (the OpenAI and Anthropic SDKs),
+    aiohttp, and NeMo Gym's own client, which sets its pool's keep-alive itself."""
+    import re
+
+    import aiohttp
+
+    from tests.support import nemo_gym_release
+
+    keep = Settings().server.keep_alive_s
+    assert keep > httpx.Limits().keepalive_expiry
+    connector = aiohttp.TCPConnector()
+    try:
+        assert keep > connector._keepalive_timeout
+    finally:
+        await connector.close()
+    root = nemo_gym_release._extracted()
+    if root is None:
+        assert not nemo_gym_release.REQUIRED, nemo_gym_release.missing_reason()
+        return
+    source = (root / "nemo_gym" / "server_utils.py").read_text()
+    gym = re.findall(r"keepalive_timeout=([0-9.]+)", source)
+    assert gym, "NeMo Gym's client no longer sets its pool's keep-alive where it did"
+    assert all(keep > float(value) for value in gym), gym
+
+
 # --------------------------------------------------------------------------- 5: CORS, Host
 
 
