@@ -211,9 +211,13 @@ async def load(
             for t in range(1, w.turns + 1):
                 raw = json.dumps(ro.body()).encode()
                 t0 = time.perf_counter()
-                resp = await client.post(
-                    _capture_url(proxy_url, ro.rollout_id), content=raw, headers=JSON
-                )
+                try:
+                    resp = await client.post(
+                        _capture_url(proxy_url, ro.rollout_id), content=raw, headers=JSON
+                    )
+                except httpx.TransportError as exc:  # counted, as a refused answer is
+                    errors.append(f"{ro.rollout_id} turn {t}: {type(exc).__name__}: {exc}")
+                    return
                 t1 = time.perf_counter()
                 if resp.status_code != 200:
                     errors.append(f"{ro.rollout_id} turn {t}: {resp.status_code} {resp.text[:200]}")
@@ -260,6 +264,7 @@ async def load(
         "call_ms": summarize([s["call_ms"] for s in samples]),
         "by_turn": by_turn(samples),
         "errors": errors[:10],
+        "error_count": len(errors),
         "final_prompt_tokens": max((s["prompt_len"] or 0) for s in samples) if samples else None,
         "_finals": finals,
     }
@@ -472,8 +477,22 @@ async def compare_overhead(
     return out
 
 
+async def load_run(tmp: Path, db: str, w: Workload) -> dict[str, Any]:
+    """:func:`load` through a fresh ``serve`` (database ``db``) in front of the simulated
+    engine: many concurrent rollouts through one proxy, where its connection pools and caches
+    are under pressure (``python -m bench.proxy --load N``)."""
+    sim_port, port = free_port(), free_port()
+    sim = ServerProcess(sim_command(sim_port, w.gen_tokens), sim_port, "/health", tmp / "sim.log")
+    with running(sim):
+        srv = ServerProcess(serve_command(db, sim.url, port), port, "/healthz", tmp / "load.log")
+        with running(srv):
+            assert srv.proc is not None
+            return await load(srv.url, w, prefix="load", cpu_pids={"server": srv.proc.pid})
+
+
 def main(argv: list[str] | None = None) -> int:
-    """``python -m bench.proxy``: the proxy-overhead comparison alone (SQLite ledger)."""
+    """``python -m bench.proxy``: the proxy-overhead comparison alone (SQLite ledger); with
+    ``--load N``, N concurrent rollouts through one proxy instead."""
     import argparse
     import shutil
     import tempfile
@@ -487,7 +506,17 @@ def main(argv: list[str] | None = None) -> int:
         "--before", type=Path, default=None, help="also run `serve` from this source tree"
     )
     ap.add_argument("--out", type=Path, default=None, help="write the figures here (JSON)")
+    ap.add_argument(
+        "--load",
+        type=int,
+        default=0,
+        metavar="N",
+        help="instead: N concurrent rollouts (a --prompt-tokens system prompt) through one proxy",
+    )
+    ap.add_argument("--turns", type=int, default=6, help="calls per rollout with --load")
     args = ap.parse_args(argv)
+    if args.load:
+        return _main_load(args.load, args.turns, args.prompt_tokens, args.out)
 
     async def run() -> dict[str, Any]:
         tmp = Path(tempfile.mkdtemp(prefix="rl_proxy_"))
@@ -524,6 +553,39 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None:
         args.out.write_text(json.dumps(out, indent=1, default=str) + "\n")
     return 0
+
+
+def _main_load(rollouts: int, turns: int, system_tokens: int, out: Path | None) -> int:
+    import shutil
+    import tempfile
+
+    from bench.dbs import DbFactory
+
+    w = Workload(rollouts=rollouts, turns=turns, system_tokens=system_tokens)
+
+    async def run() -> dict[str, Any]:
+        tmp = Path(tempfile.mkdtemp(prefix="rl_load_"))
+        dbs = DbFactory(tmp)
+        try:
+            return await load_run(tmp, (await dbs.create("sqlite", "load")).url, w)
+        finally:
+            await dbs.cleanup()
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    res = asyncio.run(run())
+    res.pop("_finals", None)
+    call = res["call_ms"]
+    print(
+        f"{rollouts} rollouts x {turns} calls ({system_tokens}-token system prompt): "
+        f"{res['calls']} answered, {res['error_count']} failed; {res['calls_per_s']:.1f} calls/s; "
+        f"call p50 {call['p50']:.1f} ms, p99 {call['p99']:.1f} ms; server CPU "
+        f"{res['cpu_ms_per_call']['server']:.2f} ms/call"
+    )
+    for error in res["errors"]:
+        print("  " + error)
+    if out is not None:
+        out.write_text(json.dumps(res, indent=1, default=str) + "\n")
+    return 1 if res["error_count"] else 0
 
 
 if __name__ == "__main__":
