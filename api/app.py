@@ -20,7 +20,7 @@ from api.limits import discover_context_length, record_token_cap
 from api.metrics import Metrics
 from api.proxy.known_prompts import KnownPrompts
 from api.routes import router as ledger_router
-from api.upstream import AiohttpPoster, HttpxPoster
+from api.upstream import POOL_IDLE_S, AiohttpPoster, HttpxPoster
 from ledger.config import Settings
 from ledger.redact import install_log_redaction
 from ledger.store import Ledger
@@ -133,7 +133,10 @@ def create_app(
             auth=httpx.BasicAuth(*credentials) if credentials else None,
             timeout=timeout,
             transport=upstream_transport,
-            limits=httpx.Limits(max_connections=512, max_keepalive_connections=128),
+            # Idle connections go before the engine's server closes them (``api.upstream``).
+            limits=httpx.Limits(
+                max_connections=512, max_keepalive_connections=128, keepalive_expiry=POOL_IDLE_S
+            ),
         )
         # The generating POST: over aiohttp, unless a test injected an httpx transport.
         app.state.upstream_post = (

@@ -236,6 +236,20 @@ def test_the_pool_drops_idle_connections_before_an_engines_server_does() -> None
     assert uvicorn.Config(app=None).timeout_keep_alive > POOL_IDLE_S
 
 
+def test_the_apps_httpx_pool_drops_idle_connections_as_soon(db_url: str) -> None:
+    """The app's httpx client (pass-through routes, ``/tokenize``, prefix supply) keeps idle
+    connections no longer than the generating POST's pool does."""
+    from api.app import create_app
+    from api.upstream import POOL_IDLE_S
+    from ledger.config import load_settings
+    from rollout_sim import ThreadedServer
+
+    app = create_app(load_settings(db=db_url, upstream=f"http://127.0.0.1:{free_port()}/v1"))
+    with ThreadedServer(app, lifespan="on", startup_timeout=60):
+        pool = app.state.upstream._transport._pool
+        assert pool._keepalive_expiry == POOL_IDLE_S
+
+
 async def test_a_reused_connection_is_retried_once_only() -> None:
     """A retry that fails too is the call's transport failure: one retry, no loop."""
     seen: Seen = []
