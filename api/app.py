@@ -147,6 +147,7 @@ def create_app(
                 timeout_s=settings.upstream_timeout_s,
                 connect_timeout_s=settings.upstream_connect_timeout_s,
                 basic_auth=credentials,
+                on_resend=app.state.metrics.upstream_retries.inc,
             )
         )
         discovered = None

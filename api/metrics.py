@@ -69,7 +69,9 @@ class Metrics:
             "reason",
         )
         self.upstream_retries = self._counter(
-            "upstream_retries_total", "Upstream attempts the proxy retried (connection refused)."
+            "upstream_retries_total",
+            "Upstream attempts the proxy sent again (a refused connection, or a reused "
+            "connection dropped before any answer).",
         )
         self.failed_attempts = self._counter(
             "upstream_failed_attempts_total",

@@ -29,9 +29,10 @@ engine took the request, and the harness's own retry decides).
 from __future__ import annotations
 
 import base64
+import logging
 import urllib.parse
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Literal, Protocol
@@ -46,6 +47,8 @@ __all__ = [
     "UpstreamFailure",
     "UpstreamPoster",
 ]
+
+log = logging.getLogger("rollout_ledger.proxy")
 
 FailureKind = Literal["connect", "timeout", "transport"]
 
@@ -112,8 +115,10 @@ class AiohttpPoster:
         connect_timeout_s: float,
         basic_auth: tuple[str, str] | None = None,
         max_connections: int = 512,
+        on_resend: Callable[[], object] | None = None,
     ) -> None:
         self._base = base_url.rstrip("/")
+        self._on_resend = on_resend  # called when a POST is sent again (the keep-alive race)
         self._authorization = (
             "Basic " + base64.b64encode(f"{basic_auth[0]}:{basic_auth[1]}".encode()).decode()
             if basic_auth
@@ -162,6 +167,9 @@ class AiohttpPoster:
             if not attempt.stale(exc):
                 raise _upstream_failure(exc) from exc
         # The keep-alive race (module docstring): once more, on a connection of its own.
+        log.info("upstream dropped a reused connection before answering; sending %s again", path)
+        if self._on_resend is not None:
+            self._on_resend()
         try:
             async with self._new_session(aiohttp.TCPConnector(force_close=True)) as fresh:
                 return await self._send(fresh, url, payload, sent, _Attempt())

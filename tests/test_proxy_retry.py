@@ -11,6 +11,10 @@ simulated vLLM.
 
 from __future__ import annotations
 
+import asyncio
+import socket
+import struct
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -19,7 +23,9 @@ import httpx
 import openai
 import pytest
 
-from rollout_sim import ByteTokenizer, SimEngine
+from api.app import create_app
+from ledger.config import load_settings
+from rollout_sim import ByteTokenizer, SimEngine, ThreadedServer
 from tests.proxy_support import Stack, delivered, sampled_chain, start_stack
 
 Rid = Callable[[str], str]
@@ -155,3 +161,97 @@ def test_refused_twice_then_the_sdk_retry_succeeds(
     assert statuses(stack, r) == ["cancelled", "captured"]
     _, build = finalize(stack, r, message.id)
     assert build["outcome"] == "delivered", build["mask_reasons"]
+
+
+class DropReusedConnections:
+    """A TCP front for the real upstream that plays the keep-alive race: the first request on
+    each connection is forwarded and answered (the connection stays open); the next request on
+    that connection is read and the connection reset, as when the engine's server closes an
+    idle connection just as the proxy sends on it.  Runs its own event loop in a thread."""
+
+    def __init__(self, upstream: str) -> None:
+        self.upstream = upstream
+        self.forwarded: list[str] = []
+        self.dropped = 0
+        self._loop = asyncio.new_event_loop()
+        self._ready = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self.url = ""
+
+    def __enter__(self) -> DropReusedConnections:
+        self._thread.start()
+        assert self._ready.wait(10)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self._loop)
+        server = self._loop.run_until_complete(asyncio.start_server(self._serve, "127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+        self._ready.set()
+        self._loop.run_forever()
+        server.close()
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        line, *fields = head.decode("latin-1").split("\r\n")
+        headers = dict(f.split(":", 1) for f in fields if ":" in f)
+        length = next((int(v) for k, v in headers.items() if k.lower() == "content-length"), 0)
+        body = await reader.readexactly(length)
+        method, path, _ = line.split(" ")
+        async with httpx.AsyncClient(base_url=self.upstream) as client:
+            resp = await client.request(
+                method, path, content=body, headers={"content-type": "application/json"}
+            )
+        self.forwarded.append(f"{method} {path}")
+        writer.write(
+            f"HTTP/1.1 {resp.status_code} OK\r\ncontent-type: application/json\r\n"
+            f"content-length: {len(resp.content)}\r\n\r\n".encode()
+            + resp.content
+        )
+        await writer.drain()
+        try:  # the next request on this kept-alive connection
+            await reader.readuntil(b"\r\n\r\n")
+        except asyncio.IncompleteReadError:  # the client closed it instead
+            writer.close()
+            return
+        self.dropped += 1
+        sock = writer.get_extra_info("socket")
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        writer.close()  # a reset instead of an answer
+
+
+def test_a_reused_upstream_connection_dropped_before_answering_is_sent_again(
+    db_url: str, rid: Rid
+) -> None:
+    """Serving as ``serve`` does (the generating POST over aiohttp): the proxy's second call
+    goes out on the pooled connection, which the upstream resets; the proxy sends it again on a
+    new connection, so the harness (no retries of its own) gets its answer, both calls are
+    captured and the rollout is delivered."""
+    engine = SimEngine(ByteTokenizer(), model_name="smol", max_model_len=16384, seed=5)
+    with ThreadedServer(engine.app) as upstream, DropReusedConnections(upstream.url) as front:
+        settings = load_settings(db=db_url, upstream=front.url + "/v1")
+        with ThreadedServer(create_app(settings), lifespan="on", startup_timeout=60) as proxy:
+            r = rid("dropreused")
+            base = f"{proxy.url}/ng-rollout/{r}/training-token-capture/v1"
+            client = openai.OpenAI(base_url=base, api_key="sk", max_retries=0)
+            messages: list[Any] = list(HI)
+            answer = None
+            for _ in range(2):
+                answer = client.chat.completions.create(model="smol", messages=messages)
+                messages += [
+                    {"role": "assistant", "content": answer.choices[0].message.content},
+                    {"role": "user", "content": "more"},
+                ]
+            metrics = httpx.get(proxy.url + "/metrics").text
+            stack = Stack(engine, upstream.url, proxy.url, db_url, settings)
+            chat = [f for f in front.forwarded if f.endswith("/chat/completions")]
+            assert (len(chat), front.dropped) == (2, 1)  # the dropped one never reached it
+            assert statuses(stack, r) == ["captured", "captured"]
+            assert answer is not None
+            _, build = finalize(stack, r, answer.id)
+    assert build["outcome"] == "delivered", build["mask_reasons"]
+    assert "rollout_ledger_upstream_retries_total 1.0" in metrics

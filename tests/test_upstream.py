@@ -214,8 +214,11 @@ async def test_a_reused_connection_reset_before_any_answer_is_retried_on_a_new_o
     new connection, and the call gets its answer instead of a 502."""
     seen: Seen = []
     connections: list[int] = []
+    resent: list[None] = []
     async with server(closing_when_reused(seen, connections)) as url:
-        p = poster("aiohttp", url)
+        p = AiohttpPoster(
+            url, timeout_s=5, connect_timeout_s=2, on_resend=lambda: resent.append(None)
+        )
         try:
             first = await p.post("/v1/chat/completions", b'{"n":1}', {})
             second = await p.post("/v1/chat/completions", b'{"n":2}', {})
@@ -224,6 +227,7 @@ async def test_a_reused_connection_reset_before_any_answer_is_retried_on_a_new_o
     assert (first.status, second.status) == (200, 200)
     assert [body for _line, _headers, body in seen] == [b'{"n":1}', b'{"n":2}', b'{"n":2}']
     assert connections == [0, 2]  # the retry came on a connection of its own
+    assert len(resent) == 1  # counted (``upstream_retries_total``)
 
 
 def test_the_pool_drops_idle_connections_before_an_engines_server_does() -> None:
