@@ -12,8 +12,6 @@ simulated vLLM.
 from __future__ import annotations
 
 import asyncio
-import socket
-import struct
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -27,6 +25,7 @@ from api.app import create_app
 from ledger.config import load_settings
 from rollout_sim import ByteTokenizer, SimEngine, ThreadedServer
 from tests.proxy_support import Stack, delivered, sampled_chain, start_stack
+from tests.support.net import read_request, reset
 
 Rid = Callable[[str], str]
 HI = [{"role": "user", "content": "hi"}]
@@ -196,12 +195,8 @@ class DropReusedConnections:
         server.close()
 
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        head = await reader.readuntil(b"\r\n\r\n")
-        line, *fields = head.decode("latin-1").split("\r\n")
-        headers = dict(f.split(":", 1) for f in fields if ":" in f)
-        length = next((int(v) for k, v in headers.items() if k.lower() == "content-length"), 0)
-        body = await reader.readexactly(length)
-        method, path, _ = line.split(" ")
+        line, _headers, body = await read_request(reader)
+        method, path, _ = line.decode("latin-1").split(" ")
         async with httpx.AsyncClient(base_url=self.upstream) as client:
             resp = await client.request(
                 method, path, content=body, headers={"content-type": "application/json"}
@@ -219,9 +214,7 @@ class DropReusedConnections:
             writer.close()
             return
         self.dropped += 1
-        sock = writer.get_extra_info("socket")
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        writer.close()  # a reset instead of an answer
+        reset(writer)  # a reset instead of an answer
 
 
 def test_a_reused_upstream_connection_dropped_before_answering_is_sent_again(

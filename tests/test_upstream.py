@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import socket
-import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
@@ -20,7 +18,7 @@ import httpx
 import pytest
 
 from api.upstream import AiohttpPoster, HttpxPoster, UpstreamFailure, UpstreamPoster
-from tests.support.net import free_port
+from tests.support.net import free_port, read_request, reset
 
 Handler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 Seen = list[tuple[bytes, dict[str, str], bytes]]
@@ -40,18 +38,6 @@ async def server(handler: Handler) -> AsyncIterator[str]:
 
 
 _writers: list[asyncio.StreamWriter] = []
-
-
-async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, dict[str, str], bytes]:
-    head = await reader.readuntil(b"\r\n\r\n")
-    lines = head.decode("latin-1").split("\r\n")
-    headers = {}
-    for line in lines[1:]:
-        if ":" in line:
-            key, value = line.split(":", 1)
-            headers[key.strip().lower()] = value.strip()
-    body = await reader.readexactly(int(headers.get("content-length", "0")))
-    return lines[0].encode(), headers, body
 
 
 def answering(seen: Seen, status: int = 200, body: bytes = b'{"ok":true}') -> Handler:
@@ -99,9 +85,7 @@ def closing_when_reused(seen: Seen, connections: list[int]) -> Handler:
         )
         await writer.drain()
         seen.append(await read_request(reader))
-        sock = writer.get_extra_info("socket")
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
-        writer.close()  # an RST, not an answer
+        reset(writer)  # an RST, not an answer
 
     return handle
 
@@ -263,10 +247,7 @@ async def test_a_reused_connection_is_retried_once_only() -> None:
     ) -> None:
         if seen:  # every later connection: read and reset
             seen.append(await read_request(reader))
-            writer.get_extra_info("socket").setsockopt(
-                socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0)
-            )
-            writer.close()
+            reset(writer)
             return
         await closing_when_reused(seen, [])(reader, writer)
 
