@@ -23,9 +23,9 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import psutil
@@ -33,6 +33,9 @@ import psutil
 from api.dialects import build_chat_upstream
 from bench.stats import summarize
 from bench.workload import ChatRollout, Workload, text
+
+if TYPE_CHECKING:
+    from bench.dbs import DbFactory
 
 __all__ = [
     "RssSampler",
@@ -494,10 +497,6 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m bench.proxy``: the proxy-overhead comparison alone (SQLite ledger); with
     ``--load N``, N concurrent rollouts through one proxy instead."""
     import argparse
-    import shutil
-    import tempfile
-
-    from bench.dbs import DbFactory
 
     ap = argparse.ArgumentParser(prog="python -m bench.proxy", description=main.__doc__)
     ap.add_argument("--samples", type=int, default=10)
@@ -519,9 +518,7 @@ def main(argv: list[str] | None = None) -> int:
         return _main_load(args.load, args.turns, args.prompt_tokens, args.out)
 
     async def run() -> dict[str, Any]:
-        tmp = Path(tempfile.mkdtemp(prefix="rl_proxy_"))
-        dbs = DbFactory(tmp)
-        try:
+        async with _scratch("rl_proxy_") as (tmp, dbs):
 
             async def db_url(label: str) -> str:
                 return (await dbs.create("sqlite", label)).url
@@ -533,9 +530,6 @@ def main(argv: list[str] | None = None) -> int:
                 prompt_tokens=args.prompt_tokens,
                 before=args.before,
             )
-        finally:
-            await dbs.cleanup()
-            shutil.rmtree(tmp, ignore_errors=True)
 
     out = asyncio.run(run())
     for key, value in out.items():
@@ -555,22 +549,29 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _main_load(rollouts: int, turns: int, system_tokens: int, out: Path | None) -> int:
+@contextlib.asynccontextmanager
+async def _scratch(prefix: str) -> AsyncIterator[tuple[Path, DbFactory]]:
+    """A temporary directory and a database factory in it, both removed after."""
     import shutil
     import tempfile
 
     from bench.dbs import DbFactory
 
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    dbs = DbFactory(tmp)
+    try:
+        yield tmp, dbs
+    finally:
+        await dbs.cleanup()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _main_load(rollouts: int, turns: int, system_tokens: int, out: Path | None) -> int:
     w = Workload(rollouts=rollouts, turns=turns, system_tokens=system_tokens)
 
     async def run() -> dict[str, Any]:
-        tmp = Path(tempfile.mkdtemp(prefix="rl_load_"))
-        dbs = DbFactory(tmp)
-        try:
+        async with _scratch("rl_load_") as (tmp, dbs):
             return await load_run(tmp, (await dbs.create("sqlite", "load")).url, w)
-        finally:
-            await dbs.cleanup()
-            shutil.rmtree(tmp, ignore_errors=True)
 
     res = asyncio.run(run())
     res.pop("_finals", None)
