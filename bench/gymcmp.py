@@ -509,10 +509,14 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
                     "cpu_ms_last10": statistics.median(last),
                     "ratio": statistics.median(last) / statistics.median(first),
                     "build_ms": res["build"]["ms_p50"],
+                    # The process's CPU over the build: a build whose wall time is far above
+                    # it waited (on the machine, the disk), it did not work longer.
+                    "build_cpu_ms": res["build"]["cpu_ms_p50"],
                     # The first build takes the output's memory fresh from the system; built
                     # again (same snapshot), the process reuses what the first one freed.
                     "build_page_faults": res["build"]["page_faults_p50"],
                     "build_again_ms": res["build_again"]["ms_p50"],
+                    "build_again_cpu_ms": res["build_again"]["cpu_ms_p50"],
                     "build_again_page_faults": res["build_again"]["page_faults_p50"],
                     "cpu_ms_by_turn": by_turn,
                     "call_cpu_ms_by_turn": res["cpu_ms_by_turn"],

@@ -62,9 +62,15 @@ def _again(d: dict[str, Any]) -> str:
     """The long build's first run against the same snapshot built again, when recorded."""
     if "build_again_ms" not in d:
         return ""
+    if "build_cpu_ms" not in d:  # runs before the build's CPU was recorded
+        return (
+            f" (the process's first: {d['build_page_faults']:,.0f} page faults; built again "
+            f"{_f(d['build_again_ms'], 1)} ms, {d['build_again_page_faults']:,.0f})"
+        )
     return (
-        f" (the process's first: {d['build_page_faults']:,.0f} page faults; built again "
-        f"{_f(d['build_again_ms'], 1)} ms, {d['build_again_page_faults']:,.0f})"
+        f" (CPU {_f(d['build_cpu_ms'], 1)} ms; the process's first: "
+        f"{d['build_page_faults']:,.0f} page faults; built again {_f(d['build_again_ms'], 1)} ms, "
+        f"CPU {_f(d['build_again_cpu_ms'], 1)} ms, {d['build_again_page_faults']:,.0f})"
     )
 
 
