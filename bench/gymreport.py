@@ -716,7 +716,7 @@ to 5.6-6.5 ms on the same code.
 In a seventh session, the same code (d5032b1; nothing in `ledger/` or `api/` changed) on a
 faster AMD EPYC machine, seven runs back to back (28-34, about 55 s each; Gym's store with delta
 records 513-734 calls/s, fsync p50 0.16-0.24 ms, fresh memory 2.0 us per page fault), tallied the
-same way (`bench/results/gymtally-28-34.json`; run 34 is the one published above):
+same way (`bench/results/gymtally-28-34.json`; run 34 was the one published above until run 47):
 
 <<tally gymtally-28-34.json>>
 
@@ -745,6 +745,42 @@ with the median over the pairs):
   acknowledged; moving it to the build moves the same hashing there (every call's whole widened
   sequence: about 84 MB, some 40 ms, for the 200-turn rollout), so one target would be traded
   for another.
+
+In the eighteenth session, the code of 36909ad (migration 0005 and the proxy's keep-alive
+changes since run 34; nothing else on the ingest path) on a faster AMD EPYC machine, thirteen
+runs back to back (35-47, about 45 s each; Gym's store with delta records 616-1,020 calls/s,
+fsync p50 0.14-0.22 ms, fresh memory 1.5-1.9 us per page fault), tallied the same way
+(`bench/results/gymtally-35-47.json`; run 47 is the one published above; runs 45-47 also
+record the long build's CPU):
+
+<<tally gymtally-35-47.json>>
+
+- **The SQLite ratio is the machine's minute.** Its repetitions moved from 1.69x to 4.05x
+  within the thirteen runs, and a run's median from 1.94x to 3.39x, on the same code. Alone,
+  six rounds of the 8x50 drive (ledger and Gym alternating) gave the ledger 0.47-0.59 ms of
+  CPU per call, against 0.35 ms in three repetitions of run 35.
+- **Postgres per-call growth is the hash over a small fixed cost.** The first turns cost
+  0.38-0.66 ms per call here (1.14 in one run), the last 0.78-1.04 ms. Gym's digest over the
+  last turns' 105k tokens is 0.42 ms of SHA-256 by itself (840 KB at 2 GB/s, timed alone), so the
+  faster the rest of a call, the larger the ratio: 2.25x and 2.10x in two runs.
+- **The 200-turn SQLite build's misses are the kernel zeroing fresh pages.** The first build
+  took 112-216 ms in 4 of the 13 runs and 45-72 ms in the others; the same snapshot built again
+  took 37-77 ms. In runs 45-47 the build's CPU was within 2% of its wall time. `perf record`
+  (kernel and C frames) around the first long build of `gymcmp --reps 1 --backends sqlite`:
+  in builds of 160 and 193 ms of CPU, 54-57% of the samples were the kernel's `clear_page_erms`
+  under `list_slice`, the output's prompt lists taking fresh pages. In builds of 62-73 ms it
+  was 0-16%. The slow builds of the runs above counted as many page faults as the others
+  (4,400-15,000), so in those builds a fresh page cost several times its usual price: the
+  virtual machine's memory, not more work. The prompt lists are the output format (about 84 MB
+  of list slots at 200 turns). The cyclic collector is not the cause: 52 long builds timed
+  with a collector callback ran 3-8 young collections each, 1-7 ms in all; a full collection
+  while the output is alive costs 34-41 ms, and none of them ran one.
+- **The proxy on this machine** (`python -m bench.proxy --samples 30`, server CPU per proxied
+  call): at 500-token prompts ledger 2.9 ms, the pass-through that asks for tokens 1.1 ms,
+  bare 0.8 ms; at 16k 4.5, 1.7 and 1.2 ms. Sampled with py-spy at 500 tokens (GIL-holding
+  samples of `serve`): the record's path was 29% of the server's Python time (the ledger's
+  `put` 10%, extraction 8%, stripping 3%), aiohttp's POST 14% (which both proxies pay), and
+  parsing and building the request 5%. Each of these steps is already a C-speed pass.
 
 Where an 8x50 SQLite call's loop time went on that machine (`cProfile`, 1,200 calls, own time
 per call): SHA-256 updates 73 us (Gym's digest over the whole context most of it), the statements
