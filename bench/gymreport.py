@@ -774,7 +774,12 @@ record the long build's CPU):
   virtual machine's memory, not more work. The prompt lists are the output format (about 84 MB
   of list slots at 200 turns). The cyclic collector is not the cause: 52 long builds timed
   with a collector callback ran 3-8 young collections each, 1-7 ms in all; a full collection
-  while the output is alive costs 34-41 ms, and none of them ran one.
+  while the output is alive costs 34-41 ms, and none of them ran one. With glibc told to keep freed
+  memory (`MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=1073741824`, three runs of
+  `--reps 1`), the snapshot built again took 28-34 ms with about 55 page faults (37-77 ms and
+  4,000-15,000 faults by default), and the Postgres long build after it 44-47 ms with 11. The
+  first build of a process still faults; `docs/operations.md` has the setting for processes
+  that build one long rollout after another.
 - **The proxy on this machine** (`python -m bench.proxy --samples 30`, server CPU per proxied
   call): at 500-token prompts ledger 2.9 ms, the pass-through that asks for tokens 1.1 ms,
   bare 0.8 ms; at 16k 4.5, 1.7 and 1.2 ms. Sampled with py-spy at 500 tokens (GIL-holding
