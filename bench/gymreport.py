@@ -62,15 +62,12 @@ def _again(d: dict[str, Any]) -> str:
     """The long build's first run against the same snapshot built again, when recorded."""
     if "build_again_ms" not in d:
         return ""
-    if "build_cpu_ms" not in d:  # runs before the build's CPU was recorded
-        return (
-            f" (the process's first: {d['build_page_faults']:,.0f} page faults; built again "
-            f"{_f(d['build_again_ms'], 1)} ms, {d['build_again_page_faults']:,.0f})"
-        )
+    cpu = "build_cpu_ms" in d  # recorded from run 45 on
+    first_cpu = f"CPU {_f(d['build_cpu_ms'], 1)} ms; " if cpu else ""
+    again_cpu = f"CPU {_f(d['build_again_cpu_ms'], 1)} ms, " if cpu else ""
     return (
-        f" (CPU {_f(d['build_cpu_ms'], 1)} ms; the process's first: "
-        f"{d['build_page_faults']:,.0f} page faults; built again {_f(d['build_again_ms'], 1)} ms, "
-        f"CPU {_f(d['build_again_cpu_ms'], 1)} ms, {d['build_again_page_faults']:,.0f})"
+        f" ({first_cpu}the process's first: {d['build_page_faults']:,.0f} page faults; built "
+        f"again {_f(d['build_again_ms'], 1)} ms, {again_cpu}{d['build_again_page_faults']:,.0f})"
     )
 
 
