@@ -95,10 +95,11 @@ class ServerConfig(BaseModel):
 
     header_timeout_s: float = Field(default=10.0, gt=0)
     body_timeout_s: float = Field(default=120.0, gt=0)
-    # Longer than the clients' own idle pools (httpx 5 s, aiohttp and NeMo Gym's client 15 s):
-    # a client reusing a connection the server is closing that moment gets a reset instead of
-    # an answer (the keep-alive race), so the client, not serve, should close idle ones.
-    keep_alive_s: float = Field(default=75.0, gt=0)
+    # Longer than the clients' own idle pools (httpx 5 s, aiohttp and NeMo Gym's client 15 s,
+    # Rust's reqwest/hyper 90 s: the Codex CLI's client keeps that default): a client reusing a
+    # connection the server is closing that moment gets a reset instead of an answer (the
+    # keep-alive race), so the client, not serve, should close idle ones.
+    keep_alive_s: float = Field(default=120.0, gt=0)
     max_connections: int = Field(default=1024, ge=1)
 
 

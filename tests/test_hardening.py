@@ -497,12 +497,20 @@ def test_serve_passes_the_connection_limits_to_uvicorn() -> None:
         assert issubclass(opts["http"], HttpToolsProtocol)
 
 
+# How long Rust's reqwest (hyper's pool) keeps an idle connection unless told otherwise: the
+# documented default of ``ClientBuilder::pool_idle_timeout``.  The Codex CLI builds its client
+# with ``reqwest::Client::builder()`` and leaves it so.
+REQWEST_POOL_IDLE_S = 90.0
+
+
 async def test_serve_outlasts_the_idle_pools_of_its_clients() -> None:
     """A client that sends on a pooled connection while the server closes it as idle gets a
     reset, not an answer (160 concurrent rollouts through httpx, whose pool keeps idle
     connections 5 s, as serve then did: 4 of 5,760 calls failed so).  So serve keeps idle
     connections longer than its clients' pools do: httpx (the OpenAI and Anthropic SDKs),
-    aiohttp, and NeMo Gym's own client, which sets its pool's keep-alive itself."""
+    aiohttp, NeMo Gym's own client, which sets its pool's keep-alive itself, and the Codex
+    CLI, whose client keeps reqwest's default (hyper's pool: idle connections kept 90 s; not
+    reachable from Python, so its documented value)."""
     import re
 
     import aiohttp
@@ -511,6 +519,7 @@ async def test_serve_outlasts_the_idle_pools_of_its_clients() -> None:
 
     keep = Settings().server.keep_alive_s
     assert keep > httpx.Limits().keepalive_expiry
+    assert keep > REQWEST_POOL_IDLE_S
     connector = aiohttp.TCPConnector()
     try:
         assert keep > connector._keepalive_timeout
