@@ -987,8 +987,9 @@ take turns on the GIL).
   pool kept idle connections 15 s against the engine's 5 s. `serve` closed idle connections
   at 5 s, the same as httpx's pool. The fixes: `api/upstream.py` keeps idle connections 4 s
   and resends, once, a POST dropped on a reused connection before any answer; `serve` keeps
-  idle connections 75 s. With the first fix alone, 4 runs had no 502 but 2 client read
-  errors; with both, 11 runs had no failure. Server CPU per call at 160 rollouts was
+  idle connections 75 s (120 s since the nineteenth session, above the Codex CLI's 90 s). With
+  the first fix alone, 4 runs had no 502 but 2 client read errors; with both, 11 runs had no
+  failure. Server CPU per call at 160 rollouts was
   4.0-5.9 ms, the range of one call at a time. With both caches at 1 GB instead of 64 MB
   (every rollout's prompt ids and digest state kept), it was 4.0-4.95 ms against 4.1-4.95:
   at 16k the caches' bound costs nothing measurable. Postgres at 160 x 16k and at 400 x 4k
