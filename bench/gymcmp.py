@@ -345,6 +345,7 @@ async def _run_side(
             await side.ledger.close()
             side = LedgerSide(db, records)
             stored = await db.size_bytes() - before
+            out["unused_pages_counted"] = db.unused_pages_counted
         out["stored_bytes_per_rollout"] = stored / len(rids)
         out["raw_bytes_per_rollout"] = raw
         out["bytes_ratio"] = stored / len(rids) / raw
