@@ -95,10 +95,10 @@ class Db:
             )
             try:
                 await conn.execute("CREATE EXTENSION IF NOT EXISTS pageinspect")
-            except asyncpg.PostgresError:
+                unused = await conn.fetchval(_UNUSED_PAGE_BYTES, list(LEDGER_TABLES))
+            except asyncpg.PostgresError:  # not a superuser (the extension's functions need one)
                 self.unused_pages_counted = False
                 return int(total)
-            unused = await conn.fetchval(_UNUSED_PAGE_BYTES, list(LEDGER_TABLES))
             self.unused_pages_counted = True
             return int(total) - int(unused)
         finally:
