@@ -636,6 +636,19 @@ NOTES = """## How the ingest path works now (issue 12)
 
 ## What is not met, and why
 
+In short, over the 51 tallied runs below (18-68, on five 2-vCPU machines; the code changed
+between sets, each says which): stored bytes held in every run on both backends (Postgres's
+measured without pages added ahead of need from run 64), and so did SQLite's per-call growth.
+Most runs met Postgres calls/s (43 of 51), freeze + build (SQLite 47, Postgres 48), Postgres's
+per-call growth (42), the 200-turn builds (SQLite 41, Postgres 38) and the proxy's 16k
+continuation (36). Two targets sit on their goal, met or missed by the minute: SQLite calls/s
+(20 of 51, median 2.48x) and the proxy's 16k root call (10 of 51, median 5.46 ms). One was
+never met: the latency within 2 ms of the bare proxy (0 of 51; medians 6.6 ms for a root, 6.2
+for a continuation), because the ledger's own work per proxied call (the intent, parsing and
+checking the ids, the record, its commit and flush: 3.6-7.6 ms of the server's CPU per call
+over these runs, against 1.1-2.4 ms for the whole bare proxy) is larger than that.
+The sections below give each figure and what was tried.
+
 Figures in this section are from runs on AMD EPYC machines with 2 vCPUs, slower and much
 noisier than the previous reports' machines: Gym's store with delta records ran at 317-774
 calls/s here (761-817 on the last report's Intel Xeon), a single run's SQLite repetitions
