@@ -837,7 +837,7 @@ In the twentieth session, on another 2-vCPU AMD EPYC machine, ten runs (59-68, a
 each; Gym's store with delta records 548-788 calls/s, fsync p50 0.15-0.28 ms, fresh memory
 2.0-2.7 us per page fault), tallied the same way (`bench/results/gymtally-59-68.json`; run 68
 is the one published above). Runs 59-63 are the code of 33911b3; runs 64-68 add this session's
-change to how Postgres's stored bytes are measured (below), nothing on a measured path:
+change to how Postgres's stored bytes are measured (below), nothing on a timed path:
 
 <<tally gymtally-59-68.json>>
 
