@@ -40,19 +40,15 @@ def pg_admin_url() -> str:
 # Bytes of the heap and TOAST pages of the ledger's tables that were never initialised
 # (``Db.size_bytes``): all-zero pages that a bulk extension added ahead of need.
 _UNUSED_PAGE_BYTES = """
-SELECT coalesce(sum(current_setting('block_size')::bigint * (
-    SELECT count(*) FROM generate_series(
-        0, pg_relation_size(r.oid) / current_setting('block_size')::bigint - 1) AS b
-    WHERE (page_header(get_raw_page(r.oid::regclass::text, 'main', b))).upper = 0
-)), 0)
-FROM (
-    SELECT c.oid FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
-    WHERE n.nspname = 'public' AND c.relkind = 'r' AND c.relname = ANY($1::text[])
-    UNION ALL
-    SELECT c.reltoastrelid FROM pg_class c JOIN pg_namespace n ON n.oid = c.relnamespace
-    WHERE n.nspname = 'public' AND c.relkind = 'r' AND c.relname = ANY($1::text[])
-      AND c.reltoastrelid <> 0
-) AS r
+SELECT current_setting('block_size')::bigint * count(*)
+FROM pg_class c
+JOIN pg_namespace n ON n.oid = c.relnamespace
+CROSS JOIN unnest(ARRAY[c.oid, c.reltoastrelid]) AS r(oid)
+CROSS JOIN generate_series(
+    0, pg_relation_size(r.oid) / current_setting('block_size')::bigint - 1) AS b
+WHERE n.nspname = 'public' AND c.relkind = 'r' AND c.relname = ANY($1::text[])
+  AND r.oid <> 0
+  AND (page_header(get_raw_page(r.oid::regclass::text, 'main', b))).upper = 0
 """
 
 
