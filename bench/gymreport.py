@@ -399,6 +399,20 @@ def render(g: dict[str, Any], pngs: list[str]) -> str:
             prow,
         )
     )
+    pg_reps = [rep["postgres"] for rep in reps if "postgres" in rep]
+    if pg_reps and all(p.get("unused_pages_counted") for p in pg_reps):
+        unused = (
+            "less the pages Postgres added ahead of need and nothing has used yet (when "
+            "connections insert together it extends a table by many all-zero pages at once; "
+            "counted with `pageinspect`, they had swung one repetition's figure from 0.37x to "
+            "1.52x raw)"
+        )
+    else:
+        unused = (
+            "with the pages Postgres added ahead of need still counted (this run did not read "
+            "pages with `pageinspect`: a role that is not a superuser, or a run from before the "
+            "correction), so one repetition's figure can swing by up to about 1x raw"
+        )
     add(
         "\n*CPU ms/call*: CPU time of the benchmark process (all its threads) over the run per "
         "call; for Postgres the server's own CPU comes on top. *KiB/rollout*: Gym, the sizes of "
@@ -406,10 +420,7 @@ def render(g: dict[str, Any], pngs: list[str]) -> str:
         "TRUNCATE checkpoint; Postgres, growth of relation sizes (heap, TOAST, indexes) with "
         "autovacuum off the ledger's tables for the run (its first visit to a table adds the "
         "free-space and visibility maps, about 32 KiB per relation and none of it per rollout, "
-        "at a moment of its own choosing; dead row versions are counted), less the pages "
-        "Postgres added ahead of need and nothing has used yet (when connections insert "
-        "together it extends a table by many all-zero pages at once; counted with "
-        "`pageinspect`, they had swung one repetition's figure from 0.37x to 1.52x raw); the "
+        f"at a moment of its own choosing; dead row versions are counted), {unused}; the "
         "target row gives the median over repetitions and their range; the "
         "ledger's growth is measured past a warm-up batch (the same number of concurrent rollouts, "
         "up to 10 turns; on every side, counted nowhere), so a new database's one-off first "
