@@ -6,6 +6,7 @@ groups its WAL flushes)."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import sqlite3
 import threading
 import time
@@ -124,6 +125,48 @@ async def test_hot_path_writes_commit_on_the_callers_loop_when_nothing_is_held(
         for i in range(5):
             assert (await led.get_state(f"here{i}")).state == "open"
     finally:
+        await led.close()
+
+
+async def test_a_caller_cancelled_while_its_write_waits_leaves_the_write_to_commit(
+    sqlite_ledger: Ledger,
+) -> None:
+    """Cancelling a caller that waits on its write cancels only its wait: the intent and the
+    record it submitted still commit (a repeat of the record is a duplicate), a refused write's
+    error is not left unretrieved, and the writes queued beside them are answered as usual."""
+    led = sqlite_ledger
+    unretrieved: list[dict[str, Any]] = []
+    loop = asyncio.get_running_loop()
+    loop.set_exception_handler(lambda _loop, ctx: unretrieved.append(ctx))
+    try:
+        await led.begin_call("r1", "c0")
+        await led.put(rec("r1", "c0", [1, 2, 3], [4]))
+        await led.begin_call("r2", "c1")
+        await led.put(rec("r2", "c1", [1, 2, 3], [9]))
+        intent = asyncio.ensure_future(led.begin_call("r1", "c1"))
+        record = asyncio.ensure_future(led.put(rec("r2", "c1", [1, 2, 3], [8])))  # conflicts
+        beside = asyncio.ensure_future(led.begin_call("r3", "c1"))
+        await asyncio.sleep(0)  # each task runs to its write's wait; the batch runs next turn
+        group = led._group
+        assert group is not None
+        assert len(group._pending[loop]) == 3
+        intent.cancel()
+        record.cancel()
+        assert await beside is True
+        for task in (intent, record):
+            with pytest.raises(asyncio.CancelledError):
+                await task
+        assert await led.begin_call("r1", "c1") is False  # the cancelled intent committed
+        await led.put(rec("r1", "c1", [1, 2, 3, 4, 5], [6]))
+        again = await led.put(rec("r1", "c1", [1, 2, 3, 4, 5], [6]))
+        assert again.status == "duplicate"
+        state = await led.get_state("r2")
+        assert state.incomplete  # the cancelled conflicting record was still refused and marked
+        await asyncio.sleep(0.05)  # any flush settling the cancelled waits lands meanwhile
+        gc.collect()
+        assert unretrieved == []
+    finally:
+        loop.set_exception_handler(None)
         await led.close()
 
 

@@ -93,7 +93,10 @@ class _GroupCommit:
         else:
             self._pending[loop] = [job]
             loop.call_soon(self._run_pending, loop)
-        return await asyncio.shield(fut)
+        # Not shielded: a caller cancelled while it waits cancels only this future, which the
+        # batch then leaves unsettled (``_settle``); the write itself still runs and commits.
+        # A shield cost the caller one more turn of the loop per write.
+        return await fut
 
     def _run_pending(self, loop: asyncio.AbstractEventLoop) -> None:
         """Commit the writes queued on ``loop`` here, if that needs no waiting; else hand them
