@@ -647,17 +647,18 @@ NOTES = """## How the ingest path works now (issue 12)
 
 ## What is not met, and why
 
-In short, over the 51 tallied runs below (18-68, on five 2-vCPU machines; the code changed
+In short, over the 57 tallied runs below (18-74, on six 2-vCPU machines; the code changed
 between sets, each says which): stored bytes held in every run on both backends (Postgres's
 measured without pages added ahead of need from run 64), and so did SQLite's per-call growth.
-Most runs met Postgres calls/s (43 of 51), freeze + build (SQLite 47, Postgres 48), Postgres's
-per-call growth (42), the 200-turn builds (SQLite 41, Postgres 38) and the proxy's 16k
-continuation (36). Two targets sit on their goal, met or missed by the minute: SQLite calls/s
-(20 of 51, median 2.48x) and the proxy's 16k root call (10 of 51, median 5.46 ms). One was
-never met: the latency within 2 ms of the bare proxy (0 of 51; medians 6.6 ms for a root, 6.2
-for a continuation), because the ledger's own work per proxied call (the intent, parsing and
-checking the ids, the record, its commit and flush: 3.6-7.6 ms of the server's CPU per call
-over these runs, against 1.1-2.4 ms for the whole bare proxy) is larger than that.
+Most runs met Postgres calls/s (49 of 57), freeze + build (SQLite 53, Postgres 53), Postgres's
+per-call growth (46), the 200-turn builds (SQLite 45, Postgres 42) and the proxy's 16k
+continuation (37). Two targets sit near their goal and are met or missed with the machine and
+the minute: SQLite calls/s (21 of 57, median 2.47x) and the proxy's 16k root call (10 of 57,
+median 5.62 ms). One was never met: the latency within 2 ms of the bare proxy (0 of 57;
+medians 6.9 ms for a root, 6.4 for a continuation), because the ledger's own work per proxied
+call (the intent, parsing and checking the ids, the record, its commit and flush: 3.6-7.6 ms
+of the server's CPU per call over these runs, against 1.1-2.4 ms for the whole bare proxy) is
+larger than that.
 The sections below give each figure and what was tried.
 
 Figures in this section are from runs on AMD EPYC machines with 2 vCPUs, slower and much
@@ -878,6 +879,51 @@ change to how Postgres's stored bytes are measured (below), nothing on a timed p
   the record's `put` 1.18 against 0.90, parsing the engine's answer (its whole prompt) about
   0.5 against 0.31 for the continuation's cached parse, and packing the ids for the next call
   0.18 against 0.08. The same stages as on the Intel machine, each a little slower.
+
+In the twenty-first session, on another 2-vCPU AMD EPYC machine (Gym's store with delta
+records at medians of 457-652 calls/s, fsync p50 0.22 ms, fresh memory 2.4 us per page fault),
+six runs (69-74, about 65 s each), tallied the same way (`bench/results/gymtally-69-74.json`;
+run 74 is the one published above). Run 69 is the code of b4060cf; runs 70-74 add this
+session's two changes on the ingest path (below):
+
+<<tally gymtally-69-74.json>>
+
+- **Against Gym, the ledger did worse on this machine than on the last one.** SQLite was
+  2.20x-2.74x (met once). The proxy's 16k root took 6.0-7.9 ms, its continuation 4.9-6.8 ms.
+  The server's CPU per proxied call was 5.2-6.4 ms, against 1.4-2.1 ms for the bare proxies.
+  Run 69, before the changes, gave 2.23x and 7.1 / 6.4 ms, inside the spread of the later five.
+- **Where a SQLite call's time goes here.** This is the 8x50 drive with delta records in one
+  process: thread CPU of the event loop, per call, over 1,200 calls after the warm-up. The loop
+  spent 620-720 us a call:
+  - preparing the delta record, 240-275 us: Gym's digest check 89 (its SHA-256 over about
+    106 KB of widened tokens at the average turn), the log-probs packed and deflated 48, the
+    payload digest 38, the ids deflated 34, the tip 17;
+  - the batches, 194-208 us: their statements 118 (the record over its intent 28, the intent
+    22, the rollout's state with the call's row 17, the lineage edge 17, the version bump 13,
+    the tokens 13, the state read 8), then per batch of eight writes `COMMIT` 127 us, `BEGIN`
+    17 and the `busy_timeout` pair 21;
+  - validating the entry, 94-107 us; two timestamps, 19 us (1.8 us each alone);
+  - asyncio: 2.1 task wake-ups and 0.85 turns of the loop a call.
+- **The eight rollouts move in lockstep.** Every batch held eight writes: the eight intents,
+  then the eight records, then the records' flush, with the loop idle while it runs (about
+  0.22 ms, 30-40 us a call). Each step costs two to five times what it costs alone (validation
+  36 us alone, a timestamp 1.8 us), as measured before for `serve`: between the Python steps,
+  each record's SHA-256 pass streams 100-200 KB of widened tokens through the core's caches.
+- **Two changes, neither a gain in time that could be measured here** (962a6f9, 3484eba).
+  A hot-path write's caller now awaits its future directly, not through `asyncio.shield`: one
+  future, two callbacks and one turn of the loop fewer per write. A cancelled caller still
+  leaves its write to commit (a new test in `tests/test_group_commit.py`). A record's short
+  planes are now coded with the long path's small hash table, not by `zlib.compress`, which
+  cleared a 64 KiB table for every plane. The benchmark's records code to the same bytes, and
+  a record's ids and log-probs take 11.1 us alone instead of 14.1. Under callgrind, the 400
+  timed SQLite calls ran 2.330G, then 2.305G (-1.1%), then 2.237G instructions (-3.0%). Side
+  by side in one process (alternating repetitions, 30-40 pairs), calls/s moved +5.7% and +1.2%
+  with the first change and -0.1% with the second. Two null comparisons (the same code on both
+  sides) gave -2.5% and -2.2%: the noise on a median of 40 pairs is about 3% here.
+- **Under callgrind, SHA-256 is 62% of the instructions**, but valgrind hides the CPU's SHA
+  instructions and OpenSSL falls back to its software path. With them, this machine hashes 1.75
+  GB/s: the 113 KB hashed per call (Gym's widened digest 106 KB, the payload digest 4.7 KB, the
+  token digest 2.3 KB) takes about 65 us alone. Instruction counts guide the other 38% only.
 
 Over runs 1-17, stored bytes were 1.25x raw on SQLite in every run (1.17x at 8x10);
 Postgres's are the database's growth, which moves with how full the last pages are:
