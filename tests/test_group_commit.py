@@ -132,8 +132,9 @@ async def test_a_caller_cancelled_while_its_write_waits_leaves_the_write_to_comm
     sqlite_ledger: Ledger,
 ) -> None:
     """Cancelling a caller that waits on its write cancels only its wait: the intent and the
-    record it submitted still commit (a repeat of the record is a duplicate), a refused write's
-    error is not left unretrieved, and the writes queued beside them are answered as usual."""
+    record it submitted still commit (a repeat of the record is a duplicate), a conflicting
+    record is still refused and marked, its error is not left unretrieved, and the write queued
+    beside them is answered as usual."""
     led = sqlite_ledger
     unretrieved: list[dict[str, Any]] = []
     loop = asyncio.get_running_loop()
@@ -143,23 +144,25 @@ async def test_a_caller_cancelled_while_its_write_waits_leaves_the_write_to_comm
         await led.put(rec("r1", "c0", [1, 2, 3], [4]))
         await led.begin_call("r2", "c1")
         await led.put(rec("r2", "c1", [1, 2, 3], [9]))
+        await led.begin_call("r4", "c1")
         intent = asyncio.ensure_future(led.begin_call("r1", "c1"))
-        record = asyncio.ensure_future(led.put(rec("r2", "c1", [1, 2, 3], [8])))  # conflicts
+        record = asyncio.ensure_future(led.put(rec("r4", "c1", [1, 2, 3], [7])))
+        conflict = asyncio.ensure_future(led.put(rec("r2", "c1", [1, 2, 3], [8])))
         beside = asyncio.ensure_future(led.begin_call("r3", "c1"))
         await asyncio.sleep(0)  # each task runs to its write's wait; the batch runs next turn
         group = led._group
         assert group is not None
-        assert len(group._pending[loop]) == 3
-        intent.cancel()
-        record.cancel()
+        assert len(group._pending[loop]) == 4
+        for task in (intent, record, conflict):
+            task.cancel()
         assert await beside is True
-        for task in (intent, record):
+        for task in (intent, record, conflict):
             with pytest.raises(asyncio.CancelledError):
                 await task
         assert await led.begin_call("r1", "c1") is False  # the cancelled intent committed
-        await led.put(rec("r1", "c1", [1, 2, 3, 4, 5], [6]))
-        again = await led.put(rec("r1", "c1", [1, 2, 3, 4, 5], [6]))
-        assert again.status == "duplicate"
+        again = await led.put(rec("r4", "c1", [1, 2, 3], [7]))
+        assert again.status == "duplicate"  # the cancelled record committed
+        assert not (await led.get_state("r4")).incomplete
         state = await led.get_state("r2")
         assert state.incomplete  # the cancelled conflicting record was still refused and marked
         await asyncio.sleep(0.05)  # any flush settling the cancelled waits lands meanwhile
