@@ -924,6 +924,18 @@ session's two changes on the ingest path (below):
   instructions and OpenSSL falls back to its software path. With them, this machine hashes 1.75
   GB/s: the 113 KB hashed per call (Gym's widened digest 106 KB, the payload digest 4.7 KB, the
   token digest 2.3 KB) takes about 65 us alone. Instruction counts guide the other 38% only.
+- **Measured and not taken:**
+  - Gym's digest hashed on a worker thread of its own, started in `prepare_delta` and awaited
+    inside the batch, just before the record's statements, with no turn of the loop per
+    record. In lockstep, the hashing of each record could then run on the second vCPU while
+    the loop prepared the next seven. Side by side (30 pairs), calls/s were 0.995x and the
+    process's CPU per call was 1.15x. The event loop's own CPU per call did not go down
+    (768 against 740 us, and 670 against 582, in alternating runs): the thread takes the GIL to
+    start each hash and to hand the result back, and the tokens cross between the cores'
+    caches. An earlier trial sent the digest through the loop's thread pool and gave 0.7x;
+    this one had none of the loop's hand-offs and still gained nothing.
+  - SQLite's page cache at 64 MB and `mmap_size` at 256 MB on the writer's connection: +2.4%
+    over 24 pairs, inside the noise.
 
 Over runs 1-17, stored bytes were 1.25x raw on SQLite in every run (1.17x at 8x10);
 Postgres's are the database's growth, which moves with how full the last pages are:
