@@ -160,7 +160,7 @@ def deflate_planes(data: bytes, width: int, *, floats: bool = False) -> bytes:
         # Not ``zlib.compress``: at the default memory level it clears a 64 KiB hash table for
         # every plane, three a record.  The long path's small table codes these short planes
         # to the same bytes (the benchmark's records) in about four fifths of the time.
-        short = zlib.compressobj(1, zlib.DEFLATED, _WBITS, _MEM_LEVEL)
+        short = _coder()
         coded = short.compress(b"".join([data[plane::width] for plane in range(stored, width)]))
         return _stored_blocks(b"".join([data[plane::width] for plane in range(stored)])) + (
             coded + short.flush()
@@ -171,13 +171,13 @@ def deflate_planes(data: bytes, width: int, *, floats: bool = False) -> bytes:
     out: list[bytes] = []
     z: Any = None
     if _codes_pay(low_planes, strategy):
-        z = zlib.compressobj(1, zlib.DEFLATED, _WBITS, _MEM_LEVEL, strategy)
+        z = _coder(strategy)
         out.append(z.compress(low_planes))
     else:
         out.append(_stored_blocks(low_planes))
     for plane in range(low, width):
         if z is None:
-            z = zlib.compressobj(1, zlib.DEFLATED, _WBITS, _MEM_LEVEL, strategy)
+            z = _coder(strategy)
         else:
             out.append(z.flush(zlib.Z_BLOCK))
         out.append(z.compress(data[plane::width]))
@@ -196,12 +196,18 @@ _STORED_MAX = 65535
 _FINAL_EMPTY_BLOCK = b"\x01\x00\x00\xff\xff"
 
 
+def _coder(strategy: int = zlib.Z_DEFAULT_STRATEGY) -> zlib._Compress:
+    """A raw-deflate compressor at level 1 with the small window and hash table (every plane
+    and probe is coded with these settings; only the strategy differs)."""
+    return zlib.compressobj(1, zlib.DEFLATED, _WBITS, _MEM_LEVEL, strategy)
+
+
 def _codes_pay(chunk: bytes, strategy: int) -> bool:
     if len(chunk) <= 2 * _PROBE_BYTES:
         return True  # a short array: coding it all costs about what the probe would
     mid = (len(chunk) - _PROBE_BYTES) // 2
     sample = chunk[mid : mid + _PROBE_BYTES]
-    probe = zlib.compressobj(1, zlib.DEFLATED, _WBITS, _MEM_LEVEL, strategy)
+    probe = _coder(strategy)
     coded = len(probe.compress(sample)) + len(probe.flush())
     return coded < _PROBE_PAYS * len(sample)
 
