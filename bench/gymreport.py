@@ -647,15 +647,15 @@ NOTES = """## How the ingest path works now (issue 12)
 
 ## What is not met, and why
 
-In short, over the 57 tallied runs below (18-74, on six 2-vCPU machines; the code changed
+In short, over the 63 tallied runs below (18-80, on seven 2-vCPU machines; the code changed
 between sets, each says which): stored bytes held in every run on both backends (Postgres's
 measured without pages added ahead of need from run 64), and so did SQLite's per-call growth.
-Most runs met Postgres calls/s (49 of 57), freeze + build (SQLite 53, Postgres 53), Postgres's
-per-call growth (46), the 200-turn builds (SQLite 45, Postgres 42) and the proxy's 16k
-continuation (37). Two targets sit near their goal and are met or missed with the machine and
-the minute: SQLite calls/s (21 of 57, median 2.47x) and the proxy's 16k root call (10 of 57,
-median 5.62 ms). One was never met: the latency within 2 ms of the bare proxy (0 of 57;
-medians 6.9 ms for a root, 6.4 for a continuation), because the ledger's own work per proxied
+Most runs met Postgres calls/s (55 of 63), freeze + build (SQLite 59, Postgres 59), Postgres's
+per-call growth (51), the 200-turn builds (SQLite 47, Postgres 43) and the proxy's 16k
+continuation (38). Two targets sit near their goal and are met or missed with the machine and
+the minute: SQLite calls/s (24 of 63, median 2.47x) and the proxy's 16k root call (10 of 63,
+median 5.73 ms). One was never met: the latency within 2 ms of the bare proxy (0 of 63;
+medians 7.1 ms for a root, 6.7 for a continuation), because the ledger's own work per proxied
 call (the intent, parsing and checking the ids, the record, its commit and flush: 3.6-7.6 ms
 of the server's CPU per call over these runs, against 1.1-2.4 ms for the whole bare proxy) is
 larger than that.
@@ -936,6 +936,48 @@ session's two changes on the ingest path (below):
     this one had none of the loop's hand-offs and still gained nothing.
   - SQLite's page cache at 64 MB and `mmap_size` at 256 MB on the writer's connection: +2.4%
     over 24 pairs, inside the noise.
+
+In the twenty-second session, on another 2-vCPU AMD EPYC machine, the slowest for Gym's store
+since runs 18-27 (with delta records at medians of 380-462 calls/s; fsync p50 0.27-0.36 ms,
+fresh memory 2.5-3.4 us per page fault), six runs (75-80, about 75 s each) of the code of
+2619214, tallied the same way (`bench/results/gymtally-75-80.json`; run 80 is the one
+published above). Nothing on a timed path changed in this session:
+
+<<tally gymtally-75-80.json>>
+
+- **SQLite met in half the runs, Postgres in all, with the highest median yet (1.99x).** The
+  proxy's 16k root took 6.6-8.0 ms, its continuation 4.2-6.7 ms; the server's CPU per proxied
+  call was 5.2-6.8 ms, against 1.4-2.3 ms for the bare proxies.
+- **The 200-turn builds missed more often here than on any machine since runs 18-27**: SQLite
+  met in 2 of 6 (a median of 117 ms, one of 242 ms), Postgres in 1 of 6 (121 ms). The same
+  snapshots built again took 68-95 ms on SQLite and 86-102 ms on Postgres, with as many page
+  faults (3,400-14,600 a build). Run 75's 242 ms build spent 240 ms of CPU over 10,122 faults
+  at 3.0 us each on the machine probe. Under cProfile, the output's 200 prompt lists (10.5M
+  list slots, made by `project_chain`) were 73 ms of a 170 ms build, and replaying the chain
+  29-35 ms. The lists are the output format, as the NOTES for runs 35-47 say.
+- **Where `serve`'s CPU goes, by library.** `perf record` on `serve` for 10 s of `python -m
+  bench.proxy` at 16k (2,000 samples a second): the interpreter 60%, the kernel 13%, libc 7%,
+  SQLite 6%, orjson 5%, zlib 2%, uvloop 2%, OpenSSL's SHA-256 1%. The C passes together are
+  less than a fifth of the ledger's CPU (7.3 ms a call in the run just before, against 2.0 ms
+  for the pass-through that asks for tokens). The rest is Python steps, spread thin: among the
+  interpreter's own symbols only the bytecode loop (16%) and the object allocator (4%) are
+  above 2%.
+- **Measured and not taken: the ledger's writes in processes of their own**, to put the
+  second vCPU to work on SQLite ingest. The prototype ran the unchanged `Ledger` in writer
+  processes, fed `begin_call` and `put` over a Unix socket in orjson frames, one task per
+  message so group commit still batched. Each writer took a fixed share of the rollouts, and
+  all wrote to one SQLite file. The drive was the 8x50 one with delta records, three
+  alternating repetitions:
+  - in process: 1,023-1,346 calls/s;
+  - one writer process: 639-938 calls/s, with 1.15-1.65 ms of CPU a call in the writer and
+    0.17-0.24 ms in the caller;
+  - two writer processes, four rollouts each: 624-809 calls/s, with 1.70-1.95 ms of CPU a
+    call in the writers.
+
+  A record crosses as a dict, not Gym's model. That alone costs about 5% (side by side in
+  process, six pairs: 908 against 977 calls/s). The framing, the tasks and the wake-ups on
+  both sides add the rest, and two writers take turns on SQLite's one write lock. What the
+  second core saves is less than what crossing to it costs.
 
 Over runs 1-17, stored bytes were 1.25x raw on SQLite in every run (1.17x at 8x10);
 Postgres's are the database's growth, which moves with how full the last pages are:
