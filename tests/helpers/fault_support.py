@@ -659,7 +659,7 @@ def exception_signature(exc: BaseException) -> str:
     where = "?"
     while tb is not None:
         filename = tb.tb_frame.f_code.co_filename
-        if filename.startswith(str(ROOT)) and "/.venv/" not in filename:
+        if filename.startswith(str(ROOT)) and "/site-packages/" not in filename:
             where = f"{Path(filename).relative_to(ROOT)}:{tb.tb_lineno}"
         tb = tb.tb_next
     return f"{type(exc).__name__} at {where}: {str(exc)[:80]}"
