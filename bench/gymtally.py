@@ -48,6 +48,8 @@ def tally(runs: list[dict[str, Any]]) -> dict[str, Any]:
             {
                 "generated": g.get("generated"),
                 "commit": ((g.get("machine") or {}).get("git") or {}).get("commit"),
+                # The interpreter both stores ran on (Gym's own and the ledger, one process).
+                "python": (g.get("machine") or {}).get("python"),
                 "gym_best_calls_per_s": (g.get("ratios") or {})
                 .get("sqlite", {})
                 .get("gym_best_calls_per_s"),
@@ -71,6 +73,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"error: {path}: {exc}", file=sys.stderr)
             return 2
     out = tally(runs)
+    pythons = sorted({str(r["python"]) for r in out["runs"]})
+    if len(pythons) > 1:
+        print(f"note: these runs mix interpreters ({', '.join(pythons)})", file=sys.stderr)
     width = max(len(n) for n in out["targets"]) if out["targets"] else 10
     for name, t in out["targets"].items():
         values = " ".join("-" if v is None else f"{v:.2f}" for v in t["values"])
