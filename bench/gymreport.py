@@ -647,18 +647,19 @@ NOTES = """## How the ingest path works now (issue 12)
 
 ## What is not met, and why
 
-In short, over the 63 tallied runs below (18-80, on seven 2-vCPU machines; the code changed
-between sets, each says which): stored bytes held in every run on both backends (Postgres's
-measured without pages added ahead of need from run 64), and so did SQLite's per-call growth.
-Most runs met Postgres calls/s (55 of 63), freeze + build (SQLite 59, Postgres 59), Postgres's
-per-call growth (51), the 200-turn builds (SQLite 47, Postgres 43) and the proxy's 16k
-continuation (38). Two targets sit near their goal and are met or missed with the machine and
-the minute: SQLite calls/s (24 of 63, median 2.47x) and the proxy's 16k root call (10 of 63,
-median 5.73 ms). One was never met: the latency within 2 ms of the bare proxy (0 of 63;
-medians 7.1 ms for a root, 6.7 for a continuation), because the ledger's own work per proxied
-call (the intent, parsing and checking the ids, the record, its commit and flush: 3.6-7.6 ms
-of the server's CPU per call over these runs, against 1.1-2.4 ms for the whole bare proxy) is
-larger than that.
+In short, over the 72 tallied runs on Python 3.11 below (18-89, on eight 2-vCPU machines; the
+code changed between sets, each says which): stored bytes held in every run on both backends
+(Postgres's measured without pages added ahead of need from run 64), and so did SQLite's
+per-call growth. Most runs met Postgres calls/s (63 of 72), freeze + build (SQLite 68, Postgres
+68), Postgres's per-call growth (58), the 200-turn builds (SQLite 54, Postgres 50) and the
+proxy's 16k continuation (44). Two targets sit near their goal and are met or missed with the
+machine and the minute: SQLite calls/s (28 of 72, median 2.47x) and the proxy's 16k root call
+(10 of 72, median 5.70 ms). One was never met: the latency within 2 ms of the bare proxy (0 of
+72; medians 7.0 ms for a root, 6.6 for a continuation), because the ledger's own work per
+proxied call (the intent, parsing and checking the ids, the record, its commit and flush:
+3.6-7.6 ms of the server's CPU per call over these runs, against 1.1-2.4 ms for the whole bare
+proxy) is larger than that. Four runs on Python 3.13 (90-93), the interpreter NeMo Gym 0.7.0
+requires, are tallied apart; run by run they matched the 3.11 runs beside them.
 The sections below give each figure and what was tried.
 
 Figures in this section are from runs on AMD EPYC machines with 2 vCPUs, slower and much
@@ -986,6 +987,57 @@ published above). Nothing on a timed path changed in this session:
   keep took 82 us back: 322 us in all. That is about 0.2 ms alone, for a new dependency on the
   answer path and one target (the root). Without the lists it would be about 0.3 ms, but the
   record and the cache would then have to carry packed ids only.
+
+In the twenty-third session, on another 2-vCPU AMD EPYC machine (Gym's store with delta records
+at medians of 562-694 calls/s, fsync p50 0.14-0.21 ms, fresh memory 2.1-2.2 us per page fault),
+nine runs on Python 3.11.7 (81-89, about 80 s each) of the code of dce0834, tallied the same way
+(`bench/results/gymtally-81-89.json`; run 89 is the one published above). Nothing on a timed
+path changed. Runs 87-89 alternated with four runs on Python 3.13.0 (90-93, further down):
+
+<<tally gymtally-81-89.json>>
+
+- **SQLite met in 4 of 9, the last four.** Runs 82-85 gave 2.07x-2.31x and runs 86-89
+  2.50x-2.97x on the same code; the ledger's own rate moved more than Gym's (medians 1,334-1,810
+  against 562-694 calls/s). The proxy's 16k root took 5.12-6.42 ms, and its continuation met in
+  6 of 9. The server's CPU per proxied call was 4.4-5.2 ms, against 1.2-1.7 ms for the bare
+  proxies.
+- **NeMo Gym 0.7.0 requires Python 3.13.14 or later** (its wheel's `Requires-Python`), so a Gym
+  deployment runs the ledger on 3.13 or later, while every run before these was on 3.11. Four
+  runs on Python 3.13.0 (90-93: run 90 after run 86, then one after each of runs 87-89), the
+  same code on the same machine (`bench/results/gymtally-90-93.json`):
+
+<<tally gymtally-90-93.json>>
+
+  Run by run against the 3.11 run just before it, the SQLite ratio was the same on both
+  interpreters (2.73x / 2.83x, 2.97x / 2.94x, 2.58x / 2.55x). On 3.13 Gym's store with delta
+  records ran a little slower (medians 571-598 calls/s and 2.17-2.27 ms of CPU a call, against
+  562-694 and 1.92-2.33 ms on 3.11), and the ledger's SQLite rate was about the same (1,586-1,693
+  against 1,334-1,810). The root's latency above the bare proxy was 6.0-7.1 ms on 3.13 and
+  6.7-7.9 ms on 3.11. Four runs are too few to say the interpreter moves any target, so the targets are
+  still judged on 3.11, the interpreter of every earlier run. CI now also runs the whole suite
+  on the newest Python 3.13+ the machine has; by hand on 3.13.0, with Postgres and the release
+  required and `DeprecationWarning` as an error, it passed (1,332 passed, 19 skipped).
+- **Where the SQLite drive's event loop goes now** (py-spy at 2 kHz over eight 8x50 repetitions
+  with delta records; the loop's samples): the callers' own steps (preparing each record, the
+  intents) 65%, the batches, which run on the loop, 32%, the loop's machinery 2%. In four more
+  repetitions the process used 0.55-0.65 ms of CPU per call (the loop's thread 0.50-0.63 ms)
+  against 0.61-0.71 ms of wall time per call, so in the lockstep drive the loop is busy about
+  82-88% of the time. Among the callers' steps, turning Gym's
+  model into the ledger's `TokenEntry` (`coerce_entry`: pydantic with the ledger's checks) took
+  24%, and the record's packing, deflating and digests most of the rest. Within the batches,
+  `cursor.execute` took 45%.
+- **Measured and too small to change** (each timed alone; in context py-spy puts each at two to
+  five times that, as earlier sessions found):
+  - the record's `output_items` written by orjson instead of the stdlib: 3.4 -> 0.9 us a call;
+  - the proxy overlapping work with the intent's or the record's commit: the harness answer's
+    serialization (12 us), the request fingerprint (1.8 us) and the retry key's SHA-256 (10 us
+    at 16k), about 25 us a call in all;
+  - Python's switch interval at 0.5 ms instead of 5 ms, three alternating pairs of three
+    repetitions: 1,167-1,823 calls/s with the default, 1,150-1,681 with 0.5 ms, inside the
+    noise;
+  - numpy parsing a 16k prompt's ids from the engine's text (`numpy.fromstring` with a
+    separator) took 250 us, against 273 for orjson parsing the same list. So numpy alone gives
+    the root nothing; only a parser that writes packed ids without Python ints would.
 
 Over runs 1-17, stored bytes were 1.25x raw on SQLite in every run (1.17x at 8x10);
 Postgres's are the database's growth, which moves with how full the last pages are:
