@@ -1013,10 +1013,11 @@ path changed. Runs 87-89 alternated with four runs on Python 3.13.0 (90-93, furt
   records ran a little slower (medians 571-598 calls/s and 2.17-2.27 ms of CPU a call, against
   562-694 and 1.92-2.33 ms on 3.11), and the ledger's SQLite rate was about the same (1,586-1,693
   against 1,334-1,810). The root's latency above the bare proxy was 6.0-7.1 ms on 3.13 and
-  6.7-7.9 ms on 3.11. Four runs are too few to say the interpreter moves any target, so the targets are
-  still judged on 3.11, the interpreter of every earlier run. CI now also runs the whole suite
-  on the newest Python 3.13+ the machine has; by hand on 3.13.0, with Postgres and the release
-  required and `DeprecationWarning` as an error, it passed (1,332 passed, 19 skipped).
+  6.7-7.9 ms on 3.11. Four runs are too few to say the interpreter moves any target, so the
+  targets are still judged on 3.11, the interpreter of every earlier run. CI now also runs the
+  whole suite on the newest Python 3.13+ the machine has; by hand on 3.13.0, with Postgres and
+  the release required and `DeprecationWarning` as an error, it passed (1,332 passed, 19
+  skipped).
 - **Where the SQLite drive's event loop goes now** (py-spy at 2 kHz over eight 8x50 repetitions
   with delta records; the loop's samples): the callers' own steps (preparing each record, the
   intents) 65%, the batches, which run on the loop, 32%, the loop's machinery 2%. In four more
