@@ -538,6 +538,9 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         "long": long,
         "fsync_start": fsync0,
         "machine": machine_info,
+        # The CPU probe again: the machine is shared, and its speed at the end says whether
+        # the run's later phases (the long rollout, the proxy) ran on the machine it began on.
+        "cpu_probe_end": machine.cpu_probe(),
     }
 
 

@@ -58,6 +58,20 @@ def _fresh(mach: dict[str, Any]) -> str:
     )
 
 
+def _cpu(g: dict[str, Any]) -> str:
+    """How fast the machine ran fixed CPU work at the run's start and end, when probed."""
+    start = (g.get("machine") or {}).get("cpu_probe")
+    if not start:
+        return ""
+    end = g.get("cpu_probe_end") or {}
+    return (
+        f"; CPU probe (`bench.machine.cpu_probe`: a 200,000-step pure-Python loop, and a 16k-token "
+        f"prompt's ids parsed, packed and hashed) {_f(start['python_loop_ms'], 1)} ms and "
+        f"{_f(start['ids_16k_ms'])} ms at the start, {_f(end.get('python_loop_ms'), 1)} ms and "
+        f"{_f(end.get('ids_16k_ms'))} ms at the end"
+    )
+
+
 def _again(d: dict[str, Any]) -> str:
     """The long build's first run against the same snapshot built again, when recorded."""
     if "build_again_ms" not in d:
@@ -193,7 +207,7 @@ def render(g: dict[str, Any], pngs: list[str]) -> str:
     fs = g.get("fsync_start") or {}
     add(
         f"Machine: {mach.get('cpu', '?')}; disk fsync (4 KiB write + fdatasync) at the start "
-        f"p50 {_f(fs.get('p50_ms'))} ms, p90 {_f(fs.get('p90_ms'))} ms{_fresh(mach)}. "
+        f"p50 {_f(fs.get('p50_ms'))} ms, p90 {_f(fs.get('p90_ms'))} ms{_fresh(mach)}{_cpu(g)}. "
         "The machine may be shared with other test runs (each side's 1-minute load average "
         "is in the table below; loads of 9-20 on 2 vCPUs have been seen), and the machine "
         "itself changes from run to run, so absolute figures move by 2x; every ledger figure "
@@ -512,7 +526,26 @@ def tally_table(tally: dict[str, Any]) -> str:
                 spread,
             ]
         )
-    return _table(["target", "goal", "met", "median", "range"], rows)
+    out = _table(["target", "goal", "met", "median", "range"], rows)
+    speed = tally.get("by_cpu") or {}
+    speed_rows = [
+        [
+            label,
+            "n/a" if c["rho"] is None else f"{c['rho']:+.2f}",
+            f"{c['met_faster_half']} of {c['half']}",
+            f"{c['met_slower_half']} of {c['half']}",
+        ]
+        for name, label in _TALLY_ROWS.items()
+        if (c := speed.get(name)) is not None
+    ]
+    if speed_rows:
+        out += (
+            "\nThe same runs against the machine's speed (the CPU probe's loop time, mean of "
+            "each run's start and end; rho is Spearman's rank correlation, positive when the "
+            "value is higher on a slower machine):\n\n"
+            + _table(["target", "rho", "met, faster half", "met, slower half"], speed_rows)
+        )
+    return out
 
 
 def _with_tallies(text: str, results: Path = RESULTS) -> str:

@@ -23,7 +23,7 @@ from typing import Any
 
 from bench.gymreport import GOALS, verdicts
 
-__all__ = ["tally"]
+__all__ = ["by_cpu", "cpu_loop_ms", "spearman", "tally"]
 
 
 def tally(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -53,11 +53,80 @@ def tally(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 "gym_best_calls_per_s": (g.get("ratios") or {})
                 .get("sqlite", {})
                 .get("gym_best_calls_per_s"),
+                "fsync_p50_ms": (g.get("fsync_start") or {}).get("p50_ms"),
+                "cpu_loop_ms": cpu_loop_ms(g),
             }
             for g in runs
         ],
         "targets": targets,
+        "by_cpu": by_cpu(per_run, [cpu_loop_ms(g) for g in runs]),
     }
+
+
+def cpu_loop_ms(g: dict[str, Any]) -> float | None:
+    """The run's CPU probe (``bench.machine.cpu_probe``: its pure-Python loop), the mean of its
+    start and end readings; None for a run from before the probe."""
+    readings = [
+        p["python_loop_ms"]
+        for p in ((g.get("machine") or {}).get("cpu_probe"), g.get("cpu_probe_end"))
+        if p
+    ]
+    return statistics.fmean(readings) if readings else None
+
+
+def by_cpu(
+    per_run: list[dict[str, tuple[float, bool]]], speeds: list[float | None]
+) -> dict[str, Any]:
+    """Per target, how its value moved with the machine's speed over the runs that probed it:
+    Spearman's rank correlation with the probe's loop time (+1: the slower the machine, the
+    higher the value), and how often it was met on the faster and the slower half of them."""
+    out: dict[str, Any] = {}
+    for name in GOALS:
+        pairs = [
+            (speed, v[name])
+            for v, speed in zip(per_run, speeds, strict=True)
+            if speed is not None and name in v
+        ]
+        if len(pairs) < 4:
+            continue
+        pairs.sort(key=lambda p: p[0])
+        half = len(pairs) // 2
+        fast, slow = pairs[:half], pairs[len(pairs) - half :]
+        out[name] = {
+            "runs": len(pairs),
+            "rho": spearman([p[0] for p in pairs], [p[1][0] for p in pairs]),
+            "met_faster_half": sum(1 for p in fast if p[1][1]),
+            "met_slower_half": sum(1 for p in slow if p[1][1]),
+            "half": half,
+        }
+    return out
+
+
+def spearman(xs: list[float], ys: list[float]) -> float | None:
+    """Spearman's rank correlation (ties share their mean rank); None when either side is
+    constant."""
+
+    def ranks(values: list[float]) -> list[float]:
+        order = sorted(range(len(values)), key=values.__getitem__)
+        out = [0.0] * len(values)
+        i = 0
+        while i < len(order):
+            j = i
+            while j + 1 < len(order) and values[order[j + 1]] == values[order[i]]:
+                j += 1
+            for k in range(i, j + 1):
+                out[order[k]] = (i + j) / 2 + 1
+            i = j + 1
+        return out
+
+    rx, ry = ranks(xs), ranks(ys)
+    mx, my = statistics.fmean(rx), statistics.fmean(ry)
+    sxy = sum((a - mx) * (b - my) for a, b in zip(rx, ry, strict=True))
+    sxx = sum((a - mx) ** 2 for a in rx)
+    syy = sum((b - my) ** 2 for b in ry)
+    if not sxx or not syy:
+        return None
+    return float(sxy / (sxx * syy) ** 0.5)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -83,6 +152,14 @@ def main(argv: list[str] | None = None) -> int:
             f"{name:<{width}}  {t['goal']:<9}  met {t['met']}/{t['runs']}  "
             f"median {t['median']:.2f}  [{values}]"
         )
+    if out["by_cpu"]:
+        print("against the machine's speed (CPU probe's loop ms; rho > 0: higher when slower):")
+        for name, c in out["by_cpu"].items():
+            rho = "n/a" if c["rho"] is None else f"{c['rho']:+.2f}"
+            print(
+                f"  {name:<{width}}  rho {rho}  met {c['met_faster_half']}/{c['half']} on the "
+                f"faster half, {c['met_slower_half']}/{c['half']} on the slower"
+            )
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(out, indent=1) + "\n")

@@ -3,10 +3,14 @@ probe), versions, load."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import platform
+import random
 import resource
 import sqlite3
+import statistics
+import struct
 import subprocess
 import sys
 import time
@@ -14,9 +18,10 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import orjson
 import psutil
 
-__all__ = ["describe", "fault_probe", "fsync_probe", "load_snapshot"]
+__all__ = ["cpu_probe", "describe", "fault_probe", "fsync_probe", "load_snapshot"]
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("sqlalchemy", "aiosqlite", "asyncpg", "fastapi", "uvicorn", "httpx", "pydantic")
@@ -68,6 +73,36 @@ def fault_probe(mib: int = 64, rounds: int = 3) -> dict[str, float]:
         "faults": faults,
         "us_per_fault": sorted(per_fault)[rounds // 2],
         "ms_per_mib": sorted(per_mib)[rounds // 2],
+    }
+
+
+def cpu_probe(rounds: int = 5) -> dict[str, float]:
+    """How fast this process ran fixed CPU work, median of ``rounds``: the interpreter (a
+    pure-Python loop of 200,000 steps, what most of a call's bookkeeping is) and a 16k-token
+    prompt's C-speed steps (orjson parse of its ids, int32 packing, SHA-256).
+
+    The CPU's name says little on a virtual machine (the same name has come with very different
+    speeds), yet every absolute figure (a call's ms, a build's ms) and every ratio against a
+    store that waits on the disk more than on the CPU moves with the CPU's speed.  Taken at a
+    run's start and end: the machine may be shared, so its speed changes within a run."""
+    ids = [random.Random(12).randrange(150_000) for _ in range(16_000)]
+    text = orjson.dumps(ids)
+    loop: list[float] = []
+    c_speed: list[float] = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        acc = 0
+        for i in range(200_000):
+            acc += i & 7
+        loop.append((time.perf_counter() - t0) * 1e3)
+        t0 = time.perf_counter()
+        parsed = orjson.loads(text)
+        hashlib.sha256(struct.pack(f"<{len(parsed)}i", *parsed)).digest()
+        c_speed.append((time.perf_counter() - t0) * 1e3)
+    return {
+        "rounds": rounds,
+        "python_loop_ms": statistics.median(loop),
+        "ids_16k_ms": statistics.median(c_speed),
     }
 
 
@@ -140,6 +175,7 @@ async def describe(workdir: Path, pg_version: str | None) -> dict[str, Any]:
         "disk": _disk(workdir),
         "fsync": fsync_probe(workdir),
         "fresh_memory": fault_probe(),
+        "cpu_probe": cpu_probe(),
         "os": f"{platform.system()} {platform.release()}",
         "python": sys.version.split()[0],
         "sqlite": sqlite3.sqlite_version,
