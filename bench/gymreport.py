@@ -210,7 +210,7 @@ def render(g: dict[str, Any], pngs: list[str]) -> str:
         f"p50 {_f(fs.get('p50_ms'))} ms, p90 {_f(fs.get('p90_ms'))} ms{_fresh(mach)}{_cpu(g)}. "
         "The machine may be shared with other test runs (each side's 1-minute load average "
         "is in the table below; loads of 9-20 on 2 vCPUs have been seen), and the machine "
-        "itself changes from run to run, so absolute figures move by 2x; every ledger figure "
+        "itself changes from run to run, so absolute figures move by 3x; every ledger figure "
         "below is a ratio against the Gym file store measured in the same repetition, on the "
         "same disk, one side after the other (the order rotates), and the range is "
         "over repetitions.\n"
@@ -680,18 +680,20 @@ NOTES = """## How the ingest path works now (issue 12)
 
 ## What is not met, and why
 
-In short, over the 78 tallied runs on Python 3.11 below (18-89 and 94-99, on nine 2-vCPU
-machines; the code changed between sets, each says which): stored bytes held in every run on
-both backends (Postgres's measured without pages added ahead of need from run 64), and SQLite's
-per-call growth in all but one (77 of 78). Most runs met Postgres calls/s (69 of 78), freeze +
-build (SQLite 74, Postgres 74), Postgres's per-call growth (63), the 200-turn builds (SQLite 60,
-Postgres 56) and the proxy's 16k continuation (50). Two targets sit near their goal and are met
-or missed with the machine and the minute: SQLite calls/s (32 of 78, median 2.47x) and the
-proxy's 16k root call (14 of 78, median 5.56 ms). One was never met: the latency within 2 ms of
-the bare proxy (0 of 78; medians 6.9 ms for a root, 6.6 for a continuation), because the
-ledger's own work per proxied call (the intent, parsing and checking the ids, the record, its
-commit and flush: 3.6-7.6 ms of the server's CPU per call over these runs, against 0.8-2.4 ms
-for the whole bare proxy) is larger than that. Four runs on Python 3.13 (90-93), the
+In short, over the 84 tallied runs on Python 3.11 below (18-89, 94-99 and 100-105, on ten
+2-vCPU machines; the code changed between sets, each says which): stored bytes held in every
+run on both backends (Postgres's measured without pages added ahead of need from run 64), and
+SQLite's per-call growth in all but one (83 of 84). Most runs met Postgres calls/s (69 of 84),
+freeze + build (SQLite 80, Postgres 80), Postgres's per-call growth (69), the 200-turn builds
+(SQLite 60, Postgres 56) and the proxy's 16k continuation (50). Two targets sit near their goal
+and are met or missed with the machine and the minute: SQLite calls/s (32 of 84, median 2.46x)
+and the proxy's 16k root call (14 of 84, median 5.70 ms). One was never met: the latency within
+2 ms of the bare proxy (0 of 84; medians 7.0 ms for a root, 6.7 for a continuation), because
+the ledger's own work per proxied call (the intent, parsing and checking the ids, the record,
+its commit and flush: 3.6-10.8 ms of the server's CPU per call over these runs, against 0.8-3.2
+ms for the whole bare proxy) is larger than that. On the slowest machine yet (runs 100-105,
+whose CPU probe is the first recorded) every target that depends on the CPU's speed was missed
+in every run. Four runs on Python 3.13 (90-93), the
 interpreter NeMo Gym 0.7.0 requires, are tallied apart; run by run they matched the 3.11 runs
 beside them.
 The sections below give each figure and what was tried.
@@ -1091,6 +1093,38 @@ those of dce0834 (`bench/results/gymtally-94-99.json`; run 99 is the one publish
   was still 3.4-3.8 ms above it for a root and 2.2-2.9 ms for a continuation, at 16k, in every
   run. So the 2 ms target is out of reach on either reading: what is left is the ledger's own
   CPU on the answer path, not the engine or the flush.
+
+In the twenty-fifth session the machine (again a 2-vCPU "AMD EPYC") was the slowest yet: a
+10-million-step Python loop took 2.2-2.9 s, and Gym's store with delta records ran at medians of
+236-357 calls/s (678-762 in the twenty-fourth session), fsync p50 0.31-0.72 ms. From this
+session each run records a CPU probe at its start and end (`bench.machine.cpu_probe`: a
+200,000-step pure-Python loop, and a 16k-token prompt's ids parsed with orjson, packed and
+hashed), and `bench.gymtally` sets each target against it. Six runs on Python 3.11.7 (100-105,
+2-3 min each) of b947338, whose timed paths are those of dce0834
+(`bench/results/gymtally-100-105.json`; run 105 is the one published above):
+
+<<tally gymtally-100-105.json>>
+
+- **The probe moved within the session**: its loop took 15.4-27.0 ms at the runs' starts and
+  15.4-30.0 ms at their ends, and Gym's rate fell with it (357 to 236 calls/s, the ledger's
+  SQLite medians 603 to 424). Six runs on one machine span too little speed for the correlations
+  to say much; the probe is for comparing machines from here on (Gym's own store has run at
+  236-817 calls/s on the machines of these reports, whatever their CPUs were called).
+- **Why a slow CPU costs the ledger more than Gym.** The ledger's SQLite side kept the machine
+  48-50% busy in 29 of 30 repetitions (54.5% in one): one core, its process CPU per call
+  (1.2-2.4 ms) about nine tenths of its wall time per call. Gym's store with delta records kept
+  it 55-62% busy with 2.8-5.4 ms of CPU per call, part of which is the kernel's work for its two
+  fsyncs a call, which the interpreter's speed does not set. Against the twenty-fourth session's
+  machine, Gym's rate fell to about 0.4x and the ledger's SQLite rate to about 0.3x, so SQLite's
+  ratio fell from 2.62x to 1.75x (medians).
+- **The proxy: busy samples of `serve` at 16k** (py-spy with native frames, idle waits left
+  out, during `python -m bench.proxy --samples 400`) put the ledger's own work in many small
+  parts: the record's `put` 10% of the server's busy samples, extracting and checking the ids
+  9%, the group commit's batches on the writer thread 10% (of which SQLite's own statement
+  steps 4%), parsing the answer 6% and the prompt-id cache 2%. In the runs, the server's CPU per
+  call was 7.0-10.8 ms for the ledger against 2.0-3.2 ms for the bare proxy, and the ledger's
+  latency 3.9-9.8 ms above the bare proxy that asks for ids. No one part, removed, brings either
+  2 ms target within reach.
 
 Over runs 1-17, stored bytes were 1.25x raw on SQLite in every run (1.17x at 8x10);
 Postgres's are the database's growth, which moves with how full the last pages are:
