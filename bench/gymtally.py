@@ -8,8 +8,9 @@ met it (the goals and the verdict rule are the published page's, ``bench.gymrepo
 
     python -m bench.gymtally run1.json run2.json ... [--out bench/results/gymtally.json]
 
-``--out`` keeps the per-run values (with each run's time, commit and Gym's own calls/s) as JSON,
-small enough to commit beside the published run.
+``--out`` keeps the per-run values (with each run's time, commit, Gym's own calls/s, fsync p50
+and CPU probe) as JSON, small enough to commit beside the published run; ``by_cpu`` sets each
+target against the CPU probe over the runs that recorded one.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ def tally(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Per target (in ``GOALS`` order): the goal, each run's value (None: not measured), the
     median of the measured ones and how many of them met the goal."""
     per_run = [verdicts(g) for g in runs]
+    speeds = [cpu_loop_ms(g) for g in runs]
     targets: dict[str, Any] = {}
     for name, (goal, _meets) in GOALS.items():
         values = [v.get(name) for v in per_run]
@@ -54,12 +56,12 @@ def tally(runs: list[dict[str, Any]]) -> dict[str, Any]:
                 .get("sqlite", {})
                 .get("gym_best_calls_per_s"),
                 "fsync_p50_ms": (g.get("fsync_start") or {}).get("p50_ms"),
-                "cpu_loop_ms": cpu_loop_ms(g),
+                "cpu_loop_ms": speed,
             }
-            for g in runs
+            for g, speed in zip(runs, speeds, strict=True)
         ],
         "targets": targets,
-        "by_cpu": by_cpu(per_run, [cpu_loop_ms(g) for g in runs]),
+        "by_cpu": by_cpu(per_run, speeds),
     }
 
 
