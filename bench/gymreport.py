@@ -680,22 +680,23 @@ NOTES = """## How the ingest path works now (issue 12)
 
 ## What is not met, and why
 
-In short, over the 84 tallied runs on Python 3.11 below (18-89, 94-99 and 100-105, on ten
-2-vCPU machines; the code changed between sets, each says which): stored bytes held in every
-run on both backends (Postgres's measured without pages added ahead of need from run 64), and
-SQLite's per-call growth in all but one (83 of 84). Most runs met Postgres calls/s (69 of 84),
-freeze + build (SQLite 80, Postgres 80), Postgres's per-call growth (69), the 200-turn builds
-(SQLite 60, Postgres 56) and the proxy's 16k continuation (50). Two targets sit near their goal
-and are met or missed with the machine and the minute: SQLite calls/s (32 of 84, median 2.46x)
-and the proxy's 16k root call (14 of 84, median 5.70 ms). One was never met: the latency within
-2 ms of the bare proxy (0 of 84; medians 7.0 ms for a root, 6.7 for a continuation), because
-the ledger's own work per proxied call (the intent, parsing and checking the ids, the record,
-its commit and flush: 3.6-10.8 ms of the server's CPU per call over these runs, against 0.8-3.2
-ms for the whole bare proxy) is larger than that. On the slowest machine yet (runs 100-105,
-whose CPU probe is the first recorded) every target that depends on the CPU's speed was missed
-in every run. Four runs on Python 3.13 (90-93), the
-interpreter NeMo Gym 0.7.0 requires, are tallied apart; run by run they matched the 3.11 runs
-beside them.
+In short, over the 90 tallied runs on Python 3.11 below (18-89, 94-99, 100-105 and 106-111,
+on eleven 2-vCPU machines; the code changed between sets, each says which): stored bytes held
+in every run on both backends (Postgres's measured without pages added ahead of need from run
+64), and SQLite's per-call growth in all but one (89 of 90). Most runs met Postgres calls/s (75
+of 90), freeze + build (SQLite 86, Postgres 86), Postgres's per-call growth (75), the 200-turn
+builds (SQLite 62, Postgres 56) and the proxy's 16k continuation (50). Two targets sit near
+their goal and are met or missed with the machine and the minute: SQLite calls/s (32 of 90,
+median 2.42x) and the proxy's 16k root call (14 of 90, median 5.74 ms). One was never met: the
+latency within 2 ms of the bare proxy (0 of 90; medians 7.2 ms for a root, 6.8 for a
+continuation), because the ledger's own work per proxied call (the intent, parsing and checking
+the ids, the record, its commit and flush: 3.6-10.8 ms of the server's CPU per call over these
+runs, against 0.8-3.2 ms for the whole bare proxy) is larger than that. On the slowest machine
+yet (runs 100-105, whose CPU probe is the first recorded) every target that depends on the
+CPU's speed was missed in every run; on the fastest by the probe (runs 106-111), SQLite calls/s
+was still missed in every run (1.97x-2.05x), because Gym's store ran faster there too. Four
+runs on Python 3.13 (90-93), the interpreter NeMo Gym 0.7.0 requires, are tallied apart; run
+by run they matched the 3.11 runs beside them.
 The sections below give each figure and what was tried.
 
 Figures in this section are from runs on AMD EPYC machines with 2 vCPUs, slower and much
@@ -855,9 +856,9 @@ pydantic's own validation 28 us, then many steps of 5-20 us each.
 In the nineteenth session, the code of 5ab3941 on a 2-vCPU Intel Xeon machine, eleven runs
 (48-58, about 47 s each; Gym's store with delta records 657-786 calls/s, fsync p50 0.17-0.29
 ms, fresh memory 1.5-1.8 us per page fault), tallied the same way
-(`bench/results/gymtally-48-58.json`; run 58 is the one published above). From run 50 the tree
-also held that session's edits to the keep-alive default of `serve` and to Markdown
-formatting, neither on a measured path:
+(`bench/results/gymtally-48-58.json`; run 58 was the one published above until run 68).
+From run 50 the tree also held that session's edits to the keep-alive default of `serve` and
+to Markdown formatting, neither on a measured path:
 
 <<tally gymtally-48-58.json>>
 
@@ -885,8 +886,9 @@ formatting, neither on a measured path:
 In the twentieth session, on another 2-vCPU AMD EPYC machine, ten runs (59-68, about 60 s
 each; Gym's store with delta records 548-788 calls/s, fsync p50 0.15-0.28 ms, fresh memory
 2.0-2.7 us per page fault), tallied the same way (`bench/results/gymtally-59-68.json`; run 68
-is the one published above). Runs 59-63 are the code of 33911b3; runs 64-68 add this session's
-change to how Postgres's stored bytes are measured (below), nothing on a timed path:
+was the one published above until run 74). Runs 59-63 are the code of 33911b3; runs 64-68
+add this session's change to how Postgres's stored bytes are measured (below), nothing on a
+timed path:
 
 <<tally gymtally-59-68.json>>
 
@@ -920,7 +922,7 @@ change to how Postgres's stored bytes are measured (below), nothing on a timed p
 In the twenty-first session, on another 2-vCPU AMD EPYC machine (Gym's store with delta
 records at medians of 457-652 calls/s, fsync p50 0.22 ms, fresh memory 2.4 us per page fault),
 six runs (69-74, about 65 s each), tallied the same way (`bench/results/gymtally-69-74.json`;
-run 74 is the one published above). Run 69 is the code of b4060cf; runs 70-74 add this
+run 74 was the one published above until run 80). Run 69 is the code of b4060cf; runs 70-74 add this
 session's two changes on the ingest path (below):
 
 <<tally gymtally-69-74.json>>
@@ -977,8 +979,8 @@ session's two changes on the ingest path (below):
 In the twenty-second session, on another 2-vCPU AMD EPYC machine, the slowest for Gym's store
 since runs 18-27 (with delta records at medians of 380-462 calls/s; fsync p50 0.27-0.36 ms,
 fresh memory 2.5-3.4 us per page fault), six runs (75-80, about 75 s each) of the code of
-2619214, tallied the same way (`bench/results/gymtally-75-80.json`; run 80 is the one
-published above). Nothing on a timed path changed in this session:
+2619214, tallied the same way (`bench/results/gymtally-75-80.json`; run 80 was the one
+published above until run 89). Nothing on a timed path changed in this session:
 
 <<tally gymtally-75-80.json>>
 
@@ -1080,7 +1082,8 @@ down):
 In the twenty-fourth session, on a faster 2-vCPU AMD EPYC machine (Gym's store with delta
 records at medians of 678-762 calls/s, fsync p50 0.13-0.19 ms, fresh memory 2.1 us per page
 fault), six runs on Python 3.11.7 (94-99, about 50 s each) of 0775558, whose timed paths are
-those of dce0834 (`bench/results/gymtally-94-99.json`; run 99 is the one published above):
+those of dce0834 (`bench/results/gymtally-94-99.json`; run 99 was the one published above until
+run 105):
 
 <<tally gymtally-94-99.json>>
 
@@ -1101,7 +1104,7 @@ session each run records a CPU probe at its start and end (`bench.machine.cpu_pr
 200,000-step pure-Python loop, and a 16k-token prompt's ids parsed with orjson, packed and
 hashed), and `bench.gymtally` sets each target against it. Six runs on Python 3.11.7 (100-105,
 2-3 min each) of b947338, whose timed paths are those of dce0834
-(`bench/results/gymtally-100-105.json`; run 105 is the one published above):
+(`bench/results/gymtally-100-105.json`; run 105 was the one published above until run 111):
 
 <<tally gymtally-100-105.json>>
 
@@ -1125,6 +1128,49 @@ hashed), and `bench.gymtally` sets each target against it. Six runs on Python 3.
   call was 7.0-10.8 ms for the ledger against 2.0-3.2 ms for the bare proxy, and the ledger's
   latency 3.9-9.8 ms above the bare proxy that asks for ids. No one part, removed, brings either
   2 ms target within reach.
+
+In the twenty-sixth session the machine (a 2-vCPU "AMD EPYC" again) was the fastest yet by the
+CPU probe: its loop took 8.5-10.4 ms at the runs' starts (15.4-27.0 ms in the twenty-fifth
+session), a 10-million-step Python loop 0.46 s (2.2-2.9 s there). Gym's store with delta records
+ran at medians of 425-570 calls/s, fsync p50 0.18-0.32 ms. Six runs on Python 3.11.7 (106-111,
+about 70 s each) of b5e1cb4, whose timed paths are those of dce0834
+(`bench/results/gymtally-106-111.json`; run 111 is the one published above):
+
+<<tally gymtally-106-111.json>>
+
+- **A CPU twice as fast did not bring SQLite to 2.5x.** The ledger's SQLite side ran at medians
+  of 892-1,177 calls/s with 0.73-0.95 ms of CPU per call (twice its rate on the twenty-fifth
+  session's machine), and kept the machine 45-49% busy in every repetition: one core. Gym's
+  store with delta records rose too, to 425-570 calls/s with 2.3-3.1 ms of CPU per call spread
+  over both vCPUs (56-65% busy), so SQLite's ratio rose only from 1.75x to 1.99x (medians).
+  Over the twelve runs with a probe (100-111, two machines), Spearman's rank correlation with
+  the probe's loop time (positive: higher when slower) is -0.84 for Gym's own calls/s, -0.67
+  for SQLite's ratio, -0.64 for Postgres's, and +0.90 and +0.85 for the 16k root and
+  continuation overheads: the proxy's figures follow the CPU, the ratios less so, because Gym's
+  side follows it as well.
+- **Where the 8x50 drive's CPU goes on this machine** (wrappers around each stage, thread CPU,
+  microseconds per call, three repetitions): preparing the delta record 294 (its packing,
+  digests and deflate 180, the check of Gym's digest over the whole widened context 95), the
+  SQLite batches 170 (two a call), validating the entry 110; the rest is the loop's turns, the
+  futures and the flush. This is the split the sixth session measured, on a faster CPU.
+- **Validation outside pydantic, measured and not made.** A path that checks a Gym
+  `TokenEntry`'s ids and log-probs with the same token rules, packs the ids and then builds the
+  ledger's entry with `model_construct` took 43 us against `coerce_entry`'s 49 us on a turn-30
+  record, measured alone: the token rules' passes over the lists and the packing are the cost,
+  not pydantic's machinery. Six microseconds of about 800 a call do not justify a second copy
+  of the schema's rules.
+- **The proxy on this machine.** The ledger's server CPU per proxied call was 5.6-6.2 ms
+  against 1.4-1.7 ms for the bare proxy and 1.7-2.0 ms for the one that asks for ids; the
+  ledger's overhead above the latter was 4.7-7.1 ms (root) and 3.5-5.1 ms (continuation).
+  Timed inside `serve` (wrappers around each stage, the ledger alone, 300 rollouts of a root
+  and a continuation at 16k): the capture handler took 11.0 ms p50 of wall time and 3.8 ms of
+  the event loop's CPU. The upstream call was 7.2 ms of wall time and 1.2 ms of CPU (sending
+  the request, reading and parsing the answer); the record 2.7 ms and 1.85 ms, of which the
+  ledger's `put` 1.8 ms and 1.0 ms (the rest of its time is the flush and the hand-offs around
+  it), extracting the ids 0.46 ms and the prompt-id cache 0.17 ms; the intent 0.30 ms. The
+  server took 33 minor page faults per call, about 0.1 ms; larger `malloc` thresholds
+  (`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`) changed neither the faults nor the
+  overhead beyond the noise.
 
 Over runs 1-17, stored bytes were 1.25x raw on SQLite in every run (1.17x at 8x10);
 Postgres's are the database's growth, which moves with how full the last pages are:
