@@ -1162,8 +1162,9 @@ about 70 s each) of b5e1cb4, whose timed paths are those of dce0834
 - **The proxy on this machine.** The ledger's server CPU per proxied call was 5.6-6.2 ms
   against 1.4-1.7 ms for the bare proxy and 1.7-2.0 ms for the one that asks for ids; the
   ledger's overhead above the latter was 4.7-7.1 ms (root) and 3.5-5.1 ms (continuation).
-  Timed inside `serve` (wrappers around each stage, the ledger alone, 300 rollouts of a root
-  and a continuation at 16k): the capture handler took 11.0 ms p50 of wall time and 3.8 ms of
+  Timed inside `serve` (`python -m bench.stages`, kept from this session: wrappers around each
+  stage, the ledger alone, 300 rollouts of a root and a continuation at 16k): the capture
+  handler took 11.0 ms p50 of wall time and 3.8 ms of
   the event loop's CPU. The upstream call was 7.2 ms of wall time and 1.2 ms of CPU (sending
   the request, reading and parsing the answer); the record 2.7 ms and 1.85 ms, of which the
   ledger's `put` 1.8 ms and 1.0 ms (the rest of its time is the flush and the hand-offs around
