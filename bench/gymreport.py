@@ -1164,9 +1164,9 @@ about 70 s each) of b5e1cb4, whose timed paths are those of dce0834
   ledger's overhead above the latter was 4.7-7.1 ms (root) and 3.5-5.1 ms (continuation).
   Timed inside `serve` (`python -m bench.stages`, kept from this session: wrappers around each
   stage, the ledger alone, 300 rollouts of a root and a continuation at 16k): the capture
-  handler took 11.0 ms p50 of wall time and 3.8 ms of
-  the event loop's CPU. The upstream call was 7.2 ms of wall time and 1.2 ms of CPU (sending
-  the request, reading and parsing the answer); the record 2.7 ms and 1.85 ms, of which the
+  handler took 11.0 ms p50 of wall time and 3.8 ms of the event loop's CPU. The upstream call
+  was 7.2 ms of wall time and 1.2 ms of CPU (sending the request, reading and parsing the
+  answer); the record 2.7 ms and 1.85 ms, of which the
   ledger's `put` 1.8 ms and 1.0 ms (the rest of its time is the flush and the hand-offs around
   it), extracting the ids 0.46 ms and the prompt-id cache 0.17 ms; the intent 0.30 ms. The
   server took 33 minor page faults per call, about 0.1 ms; larger `malloc` thresholds

@@ -23,9 +23,7 @@ import functools
 import json
 import statistics
 import sys
-import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +33,8 @@ __all__ = ["main", "stage_report"]
 
 # Each stage's first observations are the process warming up (imports, first connections).
 _SKIP = 10
+# Rollouts sent before the timed ones (``bench.proxy.overhead``'s own warm-up).
+_WARMUP = 3
 
 
 def _install(out: Path) -> None:
@@ -61,6 +61,9 @@ def _install(out: Path) -> None:
         seen.add((label, rid))
         return label + (".root" if first else ".continuation")
 
+    def note(key: str, t0: float, c0: float) -> None:
+        stats.setdefault(key, []).append((time.perf_counter() - t0, time.thread_time() - c0))
+
     def timed_async(owner: Any, name: str, label: str, *, split: int | None = None) -> None:
         fn = getattr(owner, name)
 
@@ -71,9 +74,7 @@ def _install(out: Path) -> None:
             try:
                 return await fn(*args, **kwargs)
             finally:
-                stats.setdefault(key, []).append(
-                    (time.perf_counter() - t0, time.thread_time() - c0)
-                )
+                note(key, t0, c0)
 
         setattr(owner, name, wrapper)
 
@@ -87,9 +88,7 @@ def _install(out: Path) -> None:
             try:
                 return fn(*args, **kwargs)
             finally:
-                stats.setdefault(key, []).append(
-                    (time.perf_counter() - t0, time.thread_time() - c0)
-                )
+                note(key, t0, c0)
 
         setattr(owner, name, wrapper)
 
@@ -147,40 +146,40 @@ def _minor_faults(pid: int) -> int | None:
     return int(fields[7])
 
 
-def _run(samples: int, prompt_tokens: int) -> dict[str, Any]:
+async def _run(samples: int, prompt_tokens: int) -> dict[str, Any]:
     from bench import proxy as bp
 
-    tmp = Path(tempfile.mkdtemp(prefix="rl_stages_"))
-    stats_file = tmp / "stages.json"
-    sim_port, port = bp.free_port(), bp.free_port()
-    sim = bp.ServerProcess(bp.sim_command(sim_port, 300), sim_port, "/health", tmp / "sim.log")
-    serve = bp.serve_command(f"sqlite+aiosqlite:///{tmp / 'ledger.db'}", sim.url, port)
-    child = [sys.executable, "-m", "bench.stages", "--child", str(stats_file), "--"]
-    argv = [*child, *serve[serve.index("serve") :]]
-    srv = bp.ServerProcess(argv, port, "/healthz", tmp / "serve.log")
-    try:
+    async with bp._scratch("rl_stages_") as (tmp, dbs):
+        stats_file = tmp / "stages.json"
+        sim_port, port = bp.free_port(), bp.free_port()
+        sim = bp.ServerProcess(bp.sim_command(sim_port, 300), sim_port, "/health", tmp / "sim.log")
+        db_url = (await dbs.create("sqlite", "stages")).url
+        serve = bp.serve_command(db_url, sim.url, port)
+        child = [sys.executable, "-m", "bench.stages", "--child", str(stats_file), "--"]
+        srv_log = tmp / "serve.log"
+        srv = bp.ServerProcess([*child, *serve[serve.index("serve") :]], port, "/healthz", srv_log)
         with bp.running(sim), bp.running(srv):
             assert srv.proc is not None
             proc = psutil.Process(srv.proc.pid)
             cpu0, faults0 = sum(proc.cpu_times()[:2]), _minor_faults(proc.pid)
-            overhead = asyncio.run(
-                bp.overhead(
-                    srv.url,
-                    sim.url,
-                    samples=samples,
-                    prompt_tokens=prompt_tokens,
-                    tool_tokens=200,
-                    prefix="stages",
-                )
+            overhead = await bp.overhead(
+                srv.url,
+                sim.url,
+                samples=samples,
+                prompt_tokens=prompt_tokens,
+                tool_tokens=200,
+                prefix="stages",
+                warmup=_WARMUP,
             )
-            calls = 2 * (samples + 3)  # a root and a continuation per rollout, warm-up included
+            calls = 2 * (samples + _WARMUP)  # a root and a continuation per rollout
             cpu_ms = (sum(proc.cpu_times()[:2]) - cpu0) * 1e3 / calls
             faults1 = _minor_faults(proc.pid)
+        if not stats_file.exists():  # written at the child's exit: it did not exit cleanly
+            raise RuntimeError(
+                "serve stopped without writing its stage timings: "
+                + srv_log.read_text(errors="replace")[-2000:]
+            )
         stages = json.loads(stats_file.read_text())
-    finally:
-        import shutil
-
-        shutil.rmtree(tmp, ignore_errors=True)
     return {
         "samples": samples,
         "prompt_tokens": prompt_tokens,
@@ -193,18 +192,18 @@ def _run(samples: int, prompt_tokens: int) -> dict[str, Any]:
     }
 
 
-def _print(result: dict[str, Any], write: Callable[[str], Any] = print) -> None:
+def _print(result: dict[str, Any]) -> None:
     oh = result["overhead_p50_ms"]
     faults = result["minor_faults_per_call"]
-    write(
+    print(
         f"{result['samples']} rollouts at {result['prompt_tokens']} prompt tokens: overhead p50 "
         f"root {oh['root']:.2f} ms, continuation {oh['continuation']:.2f} ms; server CPU "
         f"{result['server_cpu_ms_per_call']:.2f} ms/call"
         + ("" if faults is None else f", {faults:.0f} minor page faults/call")
     )
-    write(f"{'stage':40s} {'calls':>6s} {'wall p50':>9s} {'mean':>8s} {'CPU mean':>9s}")
+    print(f"{'stage':40s} {'calls':>6s} {'wall p50':>9s} {'mean':>8s} {'CPU mean':>9s}")
     for label, s in sorted(result["stages"].items(), key=lambda kv: -kv[1]["wall_mean_ms"]):
-        write(
+        print(
             f"{label:40s} {s['calls']:6d} {s['wall_p50_ms']:9.3f} {s['wall_mean_ms']:8.3f} "
             f"{s['cpu_mean_ms']:9.3f}"
         )
@@ -219,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=16_000)
     ap.add_argument("--out", type=Path, default=None, help="write the figures here (JSON)")
     args = ap.parse_args(argv)
-    result = _run(args.samples, args.prompt_tokens)
+    result = asyncio.run(_run(args.samples, args.prompt_tokens))
     _print(result)
     if args.out is not None:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
